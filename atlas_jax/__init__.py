@@ -1,0 +1,22 @@
+"""atlas_jax: functional JAX/Pallas layers for Mixture-of-Experts LLM inference.
+
+Public names (see ../shared/DESIGN.md for the contract): the config dataclasses and ``KVDtype``,
+``moe_forward``, and the submodules ``quant``, ``moe``, ``ops`` and ``config``.
+"""
+
+from atlas_jax import config, moe, ops, quant
+from atlas_jax.config import AttentionConfig, KernelConfig, KVDtype, MoEConfig, RopeConfig
+from atlas_jax.moe import moe_forward
+
+__all__ = [
+    "AttentionConfig",
+    "KVDtype",
+    "KernelConfig",
+    "MoEConfig",
+    "RopeConfig",
+    "config",
+    "moe",
+    "moe_forward",
+    "ops",
+    "quant",
+]

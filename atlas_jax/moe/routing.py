@@ -1,0 +1,181 @@
+"""Routers: pure functions from router logits to (expert ids, weights), one per scoring rule.
+
+Semantics follow Hugging Face transformers 5.x for each architecture:
+
+- softmax (Qwen2/3-MoE, Mixtral, LongCat, Gemma-4): fp32 softmax over all router outputs,
+  top-k on score (+ selection bias), weights = unbiased scores, renormalised if configured.
+- sigmoid (DeepSeek-V3, MiniMax-M2): sigmoid scores; selection on score + bias, optionally
+  group-limited (groups scored by the sum of their top-2; non-selected groups' choices set to 0);
+  weights = unbiased scores, renormalised (+eps).
+- sqrt-softplus (DeepSeek-V4): sqrt(softplus(logit)) scores, selection bias, renormalised (+eps),
+  or the ids come from a hash table indexed by token id.
+- top-k-then-softmax (gpt-oss): top-k on the logits, softmax over the k selected.
+
+Every rule ends with ``weights *= routed_scaling_factor`` (and Gemma-4's per-expert scale).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from atlas_jax.config import MoEConfig, RouterScoring
+from atlas_jax.moe.params import MoEParams
+
+
+class Routing(NamedTuple):
+    expert_ids: jax.Array  # [T, k] int32; ids >= num_experts are zero (identity) experts
+    weights: jax.Array  # [T, k] float32
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """Weightless RMSNorm in float32."""  # [..., H] -> [..., H] f32
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def router_logits(params: MoEParams, x: jax.Array) -> jax.Array:
+    """Router logits in the config's router dtype, returned as float32."""  # [T, H] -> [T, E+Z]
+    cfg = params.config
+    dtype = jnp.dtype(cfg.router_dtype)
+    if cfg.gemma_router:
+        x = rms_normalize(x, cfg.rms_norm_eps) * params.router_scale.astype(jnp.float32)
+        x = x * cfg.hidden_size**-0.5
+    logits = jnp.einsum("th,eh->te", x.astype(dtype), params.router.astype(dtype),
+                        preferred_element_type=jnp.float32).astype(dtype)
+    if params.router_bias is not None:
+        logits = logits + params.router_bias.astype(dtype)
+    return logits.astype(jnp.float32)
+
+
+# -- scoring rules: logits [T, E] f32 -> scores [T, E] f32 --------------------------------------
+
+
+def softmax_scores(logits: jax.Array) -> jax.Array:
+    return jax.nn.softmax(logits, axis=-1)
+
+
+def sigmoid_scores(logits: jax.Array) -> jax.Array:
+    return jax.nn.sigmoid(logits)
+
+
+def sqrt_softplus_scores(logits: jax.Array) -> jax.Array:
+    return jnp.sqrt(jax.nn.softplus(logits))
+
+
+# -- selection: choice scores [T, E] -> ids [T, k] ----------------------------------------------
+
+
+def select_topk(choice: jax.Array, k: int) -> jax.Array:
+    return jax.lax.top_k(choice, k)[1].astype(jnp.int32)
+
+
+def select_group_limited(choice: jax.Array, k: int, n_group: int, topk_group: int) -> jax.Array:
+    """DeepSeek-V3 group-limited top-k: keep the ``topk_group`` groups with the largest sum of
+    their top-2 choice scores; other experts' choice scores become 0 (as transformers does)."""
+    t, e = choice.shape
+    grouped = choice.reshape(t, n_group, e // n_group)  # [T, G, E/G]
+    group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, G]
+    keep = jax.lax.top_k(group_scores, topk_group)[1]  # [T, topk_group]
+    group_mask = jnp.zeros((t, n_group), bool).at[jnp.arange(t)[:, None], keep].set(True)
+    masked = jnp.where(group_mask[:, :, None], grouped, 0.0).reshape(t, e)
+    return select_topk(masked, k)
+
+
+def hash_expert_ids(tid2eid: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """Expert ids from the hash table (DeepSeek-V4 hash layers)."""  # [V, k], [T] -> [T, k]
+    check_in_range(token_ids, tid2eid.shape[0], "token_ids", "the hash table's vocabulary")
+    return jnp.take(tid2eid, token_ids, axis=0).astype(jnp.int32)
+
+
+def check_in_range(values: jax.Array, hi: int, name: str, what: str) -> None:
+    """Raise ValueError if any value is outside [0, hi): eagerly when the values are concrete,
+    at run time (from a host callback) under ``jax.jit``."""
+
+    def check(v):
+        import numpy as np
+
+        v = np.asarray(v)
+        bad = (v < 0) | (v >= hi)
+        if bad.any():
+            raise ValueError(f"{name}: {int(bad.sum())} value(s) outside [0, {hi}) ({what}); "
+                             f"first bad value {int(v[bad].reshape(-1)[0])}")
+
+    if isinstance(values, jax.core.Tracer):
+        jax.debug.callback(check, values)
+    else:
+        check(values)
+
+
+# -- the router ----------------------------------------------------------------------------------
+
+
+def _finish(scores: jax.Array, ids: jax.Array, params: MoEParams) -> Routing:
+    """Gather unbiased scores of the chosen ids, renormalise, scale."""
+    cfg = params.config
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + cfg.norm_eps)
+    return _scale(Routing(ids, weights), params)
+
+
+def _scale(r: Routing, params: MoEParams) -> Routing:
+    cfg = params.config
+    weights = r.weights * cfg.routed_scaling_factor
+    if params.per_expert_scale is not None:
+        weights = weights * jnp.take(params.per_expert_scale.astype(jnp.float32), r.expert_ids)
+    return Routing(r.expert_ids, weights.astype(jnp.float32))
+
+
+def route_logits(params: MoEParams, logits: jax.Array, token_ids: jax.Array | None = None
+                 ) -> Routing:
+    """Routing from precomputed float32 logits ``[T, E+Z]``."""
+    cfg = params.config
+    k = cfg.top_k
+    if cfg.scoring is RouterScoring.TOPK_SOFTMAX:
+        values, ids = jax.lax.top_k(logits, k)
+        return _scale(Routing(ids.astype(jnp.int32), jax.nn.softmax(values, axis=-1)), params)
+    score_fn = {
+        RouterScoring.SOFTMAX: softmax_scores,
+        RouterScoring.SIGMOID: sigmoid_scores,
+        RouterScoring.SQRT_SOFTPLUS: sqrt_softplus_scores,
+    }[cfg.scoring]
+    scores = score_fn(logits)
+    if cfg.hash_routing:
+        return _finish(scores, hash_expert_ids(params.tid2eid, token_ids), params)
+    choice = scores
+    if params.selection_bias is not None:
+        choice = scores + params.selection_bias.astype(jnp.float32)
+    if cfg.n_group > 1:
+        ids = select_group_limited(choice, k, cfg.n_group, cfg.topk_group)
+    else:
+        ids = select_topk(choice, k)
+    return _finish(scores, ids, params)
+
+
+def route(params: MoEParams, x: jax.Array, token_ids: jax.Array | None = None) -> Routing:
+    """Route tokens: ``x [T, H]`` (or [B, S, H], flattened) -> Routing of ``[T, k]``."""
+    cfg = params.config
+    x2 = check_tokens(x, cfg)
+    if cfg.hash_routing:
+        if token_ids is None:
+            raise ValueError("route: this is a hash-routing layer (DeepSeek-V4): pass token_ids")
+        token_ids = jnp.asarray(token_ids)
+        if token_ids.size != x2.shape[0] or not jnp.issubdtype(token_ids.dtype, jnp.integer):
+            raise ValueError(f"route: token_ids must be {x2.shape[0]} integers (one per token), "
+                             f"got shape {token_ids.shape} dtype {token_ids.dtype}")
+        token_ids = token_ids.reshape(-1)
+    return route_logits(params, router_logits(params, x2), token_ids)
+
+
+def check_tokens(x: jax.Array, cfg: MoEConfig) -> jax.Array:
+    """Validate ``x`` [T, H] or [B, S, H] and return it as [T, H]."""
+    if not hasattr(x, "shape") or x.ndim not in (2, 3):
+        raise ValueError(f"x must be [T, H] or [B, S, H], got shape {getattr(x, 'shape', x)}")
+    if x.shape[-1] != cfg.hidden_size:
+        raise ValueError(f"x: last dim must be hidden_size={cfg.hidden_size}, got {x.shape[-1]}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"x must be floating point, got {x.dtype}")
+    return x.reshape(-1, cfg.hidden_size)

@@ -1,0 +1,5 @@
+"""The kernel boundary: each op has an "xla" reference and a "pallas" implementation."""
+
+from atlas_jax.ops.grouped_matmul import grouped_matmul, grouped_matmul_reference
+
+__all__ = ["grouped_matmul", "grouped_matmul_reference"]
