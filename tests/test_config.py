@@ -287,7 +287,7 @@ def test_gemma4_text_config():
 
 
 def test_unknown_model_type_lists_supported():
-    with pytest.raises(ValueError, match=r"unsupported model_type 'llama4'; supported: .*qwen3_moe"):
+    with pytest.raises(ValueError, match=r"model_type 'llama4'; supported: .*qwen3_moe"):
         aj.MoEConfig.from_hf_config({"model_type": "llama4"})
     with pytest.raises(ValueError, match=r"unsupported model_type 'bert'; supported: .*qwen3"):
         aj.AttentionConfig.from_hf_config({"model_type": "bert"})

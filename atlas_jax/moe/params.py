@@ -69,9 +69,11 @@ class MoEParams:
             if value is None:
                 raise ValueError(f"MoEParams.{name}: the config needs shape {shape}, got None")
             if tuple(_shape(value)) != shape:
-                raise ValueError(f"MoEParams.{name}: expected shape {shape}, got {_shape(value)}")
-        for name, fmt in (("gate_up", cfg.expert_format), ("down", cfg.expert_format),
-                          ("shared_gate_up", cfg.shared_format), ("shared_down", cfg.shared_format)):
+                raise ValueError(
+                    f"MoEParams.{name}: expected shape {shape}, got {_shape(value)}")
+        formats = {"gate_up": cfg.expert_format, "down": cfg.expert_format,
+                   "shared_gate_up": cfg.shared_format, "shared_down": cfg.shared_format}
+        for name, fmt in formats.items():
             value = getattr(self, name)
             if value is not None and value.format is not fmt:
                 raise ValueError(f"MoEParams.{name}: config says format {fmt.value}, "
