@@ -4,12 +4,13 @@ Public names (see ../shared/DESIGN.md for the contract): the config dataclasses 
 ``moe_forward``, and the submodules ``quant``, ``moe``, ``ops`` and ``config``.
 """
 
-from atlas_jax import config, moe, ops, quant
+from atlas_jax import checkpoint, config, moe, ops, quant
 from atlas_jax.config import AttentionConfig, KernelConfig, KVDtype, MoEConfig, RopeConfig
 from atlas_jax.moe import moe_forward
 
 __all__ = [
     "AttentionConfig",
+    "checkpoint",
     "KVDtype",
     "KernelConfig",
     "MoEConfig",

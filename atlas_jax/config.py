@@ -338,9 +338,9 @@ class MoEConfig:
         model's regular MoE layers. A ``quantization_config`` sets ``expert_format``.
         """
         text = _text_config(d)
-        parse = _MOE_PARSERS.get(text.get("model_type", ""))
+        parse = _MOE_PARSERS.get(_model_type(d))
         if parse is None:
-            raise _unknown_model_type(text)
+            raise _unknown_model_type(d)
         cfg = parse(_Keys(text), layer)
         return cfg.replace(**_format_fields(d))
 
@@ -457,13 +457,18 @@ class AttentionConfig:
     sinks: bool = False  # per-head learned sink logit in the softmax (gpt-oss)
     output_gate: OutputGate = OutputGate.NONE  # gate on the attention output (Qwen3-Next)
     weight_format: Format = Format.BF16  # storage format of q/k/v/o weights
-    fp8_kv_calibration_tokens: int = 0  # FP8 KV: tokens of online scale calibration (0: amax/448)
+    fp8_block: tuple[int, int] = (128, 128)  # FP8_BLOCK weight block (b0 along N, b1 along K)
+    fp8_kv_calibration_tokens: int = 0  # FP8 KV: 0: scale = amax/448 per token per head; N > 0:
+    # per-head scales calibrated online on the first N tokens written, then frozen (saturating)
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
         name = "AttentionConfig"
         _positive(self, "hidden_size", "num_heads", "num_kv_heads", "head_dim")
         _non_negative(self, "fp8_kv_calibration_tokens")
+        b0, b1 = self.fp8_block
+        if not (isinstance(b0, int) and isinstance(b1, int) and b0 > 0 and b1 > 0):
+            raise _fail(name, "fp8_block", self.fp8_block, "must be two positive ints")
         if self.num_heads % self.num_kv_heads:
             raise _fail(name, "num_kv_heads", self.num_kv_heads,
                         f"must divide num_heads={self.num_heads}")
@@ -495,6 +500,18 @@ class AttentionConfig:
     def softmax_scale(self) -> float:
         return self.scale if self.scale is not None else self.head_dim**-0.5
 
+    @property
+    def q_proj_rows(self) -> int:
+        """Output rows of q_proj: per head ``[q_h (D)]``, ``[q_h (D) | gate_h (D)]``
+        (ELEMENTWISE, Qwen3-Next) or ``[q_h (D) | gate_h (1)]`` (HEADWISE_*)."""
+        match self.output_gate:
+            case OutputGate.NONE:
+                return self.num_heads * self.head_dim
+            case OutputGate.ELEMENTWISE:
+                return 2 * self.num_heads * self.head_dim
+            case OutputGate.HEADWISE_SIGMOID | OutputGate.HEADWISE_SOFTPLUS:
+                return self.num_heads * (self.head_dim + 1)
+
     def replace(self, **changes: Any) -> AttentionConfig:
         return dataclasses.replace(self, **changes)
 
@@ -511,8 +528,11 @@ class AttentionConfig:
                     f"types: {', '.join(sorted(_ATTENTION_PARSERS))}")
             raise _unknown_model_type(text, _ATTENTION_PARSERS)
         cfg = parse(_Keys(text))
-        fmt = _format_fields(d).get("expert_format")
-        return cfg.replace(weight_format=fmt) if fmt and _quantizes_attention(d) else cfg
+        fields = _format_fields(d)
+        fmt = fields.get("expert_format")
+        if not (fmt and _quantizes_attention(d)):
+            return cfg
+        return cfg.replace(weight_format=fmt, fp8_block=fields.get("fp8_block", cfg.fp8_block))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -572,6 +592,14 @@ class _Keys:
                 f"config.json of model_type {self.d.get('model_type')!r} lacks key {key!r}")
         return self.d[key]
 
+    def first(self, *keys: str) -> Any:
+        """The first of ``keys`` present (config.json spellings differ across versions)."""
+        for key in keys:
+            if self.d.get(key) is not None:
+                return self.d[key]
+        raise ValueError(f"config.json of model_type {self.d.get('model_type')!r} lacks key "
+                         f"{' / '.join(map(repr, keys))}")
+
     def get(self, key: str, default: Any = None) -> Any:
         value = self.d.get(key, default)
         return default if value is None else value
@@ -583,9 +611,14 @@ def _text_config(d: Mapping[str, Any]) -> Mapping[str, Any]:
     return d.get("text_config") or d
 
 
-def _unknown_model_type(text: Mapping[str, Any], parsers: Mapping[str, Any] | None = None):
+def _model_type(d: Mapping[str, Any]) -> str:
+    """The model_type of a config.json; a multimodal wrapper's (gemma4) over its text part's."""
+    return d.get("model_type") or _text_config(d).get("model_type", "")
+
+
+def _unknown_model_type(d: Mapping[str, Any], parsers: Mapping[str, Any] | None = None):
     supported = ", ".join(sorted(parsers if parsers is not None else _MOE_PARSERS))
-    return ValueError(f"unsupported model_type {text.get('model_type')!r}; supported: {supported}")
+    return ValueError(f"unsupported model_type {_model_type(d)!r}; supported: {supported}")
 
 
 QUANT_METHODS = ("modelopt", "compressed-tensors", "fp8", "mxfp4")
@@ -625,12 +658,18 @@ def _quantizes_attention(d: Mapping[str, Any]) -> bool:
     return q.get("quant_method") in ("fp8",)  # gpt-oss MXFP4 and NVFP4 MoE exports keep bf16
 
 
+def _model_router_dtype(k: _Keys) -> str:
+    """The checkpoint's dtype, for architectures whose HF router does not upcast to fp32."""
+    dtype = k.get("dtype") or k.get("torch_dtype") or "float32"
+    return dtype if dtype in _ROUTER_DTYPES else "float32"
+
+
 def _qwen_moe(k: _Keys, layer: int | None) -> MoEConfig:
     shared = k.get("shared_expert_intermediate_size", 0)
     return MoEConfig(
         hidden_size=k["hidden_size"],
         intermediate_size=k["moe_intermediate_size"],
-        num_experts=k["num_experts"],
+        num_experts=k.first("num_experts", "num_local_experts"),
         top_k=k["num_experts_per_tok"],
         norm_topk_prob=bool(k.get("norm_topk_prob", False)),
         shared_intermediate_size=shared,
@@ -643,7 +682,7 @@ def _mixtral(k: _Keys, layer: int | None) -> MoEConfig:
     return MoEConfig(
         hidden_size=k["hidden_size"],
         intermediate_size=k["intermediate_size"],
-        num_experts=k["num_local_experts"],
+        num_experts=k.first("num_local_experts", "num_experts"),
         top_k=k["num_experts_per_tok"],
         norm_topk_prob=True,
         rms_norm_eps=k.get("rms_norm_eps", 1e-5),
@@ -676,6 +715,7 @@ def _gpt_oss(k: _Keys, layer: int | None) -> MoEConfig:
         top_k=k["num_experts_per_tok"],
         scoring=RouterScoring.TOPK_SOFTMAX,
         router_bias=True,
+        router_dtype=_model_router_dtype(k),  # transformers routes in the model dtype here
         activation=Activation.GPT_OSS,
         swiglu_limit=float(k.get("swiglu_limit", 7.0)),
         gate_up_layout=GateUpLayout.INTERLEAVED,
@@ -712,8 +752,14 @@ def _minimax_m2(k: _Keys, layer: int | None) -> MoEConfig:
 
 
 def _deepseek_v4(k: _Keys, layer: int | None) -> MoEConfig:
-    num_hash = k.get("num_hash_layers", 0)
-    hashed = layer is not None and layer < num_hash
+    # transformers names each layer's MLP kind; DeepSeek's own config counts leading hash layers.
+    kinds = k.get("mlp_layer_types")
+    if layer is None:
+        hashed = False
+    elif kinds:
+        hashed = kinds[layer] == "hash_moe"
+    else:
+        hashed = layer < k.get("num_hash_layers", 0)
     return MoEConfig(
         hidden_size=k["hidden_size"],
         intermediate_size=k["moe_intermediate_size"],
@@ -725,8 +771,10 @@ def _deepseek_v4(k: _Keys, layer: int | None) -> MoEConfig:
         routed_scaling_factor=float(k.get("routed_scaling_factor", 1.0)),
         selection_bias=not hashed,
         hash_vocab_size=k["vocab_size"] if hashed else 0,
-        swiglu_limit=k.get("swiglu_limit") or None,
-        shared_intermediate_size=k.get("n_shared_experts", 0) * k["moe_intermediate_size"],
+        swiglu_limit=k.get("swiglu_limit") or None,  # transformers clamps the shared expert too
+        # The shared expert's width is moe_intermediate_size, whatever n_shared_experts says.
+        shared_intermediate_size=k["moe_intermediate_size"] if k.get("n_shared_experts") else 0,
+        router_dtype=_model_router_dtype(k),  # transformers routes in the model dtype here
         rms_norm_eps=k.get("rms_norm_eps", 1e-6),
     )
 
@@ -770,13 +818,15 @@ def _head_dim(k: _Keys) -> int:
 
 def _qwen_attention(k: _Keys) -> AttentionConfig:
     model_type = k.d.get("model_type")
+    qwen2 = model_type == "qwen2_moe"  # Qwen2: qkv_bias (default on), o_proj never biased
+    bias = bool(k.get("qkv_bias", True)) if qwen2 else bool(k.get("attention_bias", False))
     return AttentionConfig(
         hidden_size=k["hidden_size"],
         num_heads=k["num_attention_heads"],
         num_kv_heads=k.get("num_key_value_heads", k["num_attention_heads"]),
         head_dim=_head_dim(k),
-        qkv_bias=bool(k.get("attention_bias", model_type == "qwen2_moe")),
-        o_bias=False,
+        qkv_bias=bias,
+        o_bias=bias and not qwen2,  # Qwen3 family: o_proj bias = attention_bias
         qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_next"),
         norm_style=NormStyle.OFFSET if model_type == "qwen3_next" else NormStyle.SCALE,
         rms_norm_eps=k.get("rms_norm_eps", 1e-6),

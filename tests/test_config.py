@@ -267,6 +267,10 @@ def test_deepseek_v4_hash_layers():
     c = aj.MoEConfig.from_hf_config(d)
     assert c.scoring is C.RouterScoring.SQRT_SOFTPLUS and c.norm_topk_prob
     assert not c.hash_routing
+    assert c.shared_intermediate_size == (d["moe_intermediate_size"] if d.get("n_shared_experts")
+                                          else 0)
+    assert c.router_dtype == ("bfloat16" if d.get("torch_dtype", d.get("dtype")) == "bfloat16"
+                              else "float32")
     if d.get("num_hash_layers"):
         h = aj.MoEConfig.from_hf_config(d, layer=0)
         assert h.hash_routing and h.hash_vocab_size == d["vocab_size"]
@@ -298,7 +302,7 @@ def test_unknown_model_type_lists_supported():
 def test_missing_key_names_it():
     d = dict(HF_CONFIGS["qwen3_moe"])
     del d["num_experts"]
-    with pytest.raises(ValueError, match=r"model_type 'qwen3_moe' lacks key 'num_experts'"):
+    with pytest.raises(ValueError, match=r"'qwen3_moe' lacks key 'num_experts' / 'num_local_"):
         aj.MoEConfig.from_hf_config(d)
 
 
