@@ -72,7 +72,7 @@ class SafetensorsFile:
                                   f"{self.data_start + end} bytes, the file has {size}")
         self.reads = 0  # tensors read so far (tests count them)
 
-    def keys(self) -> Iterable[str]:
+    def names(self) -> Iterable[str]:
         return self.entries.keys()
 
     def info(self, name: str) -> tuple[str, tuple[int, ...]]:

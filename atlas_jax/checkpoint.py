@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from atlas_jax._safetensors import CheckpointError, SafetensorsFile
-from atlas_jax.config import MoEConfig, _text_config
+from atlas_jax.config import Format, MoEConfig, _text_config
 from atlas_jax.moe.params import MoEParams
-from atlas_jax.quant import QTensor
+from atlas_jax.quant import QTensor, concat_rows
 
 __all__ = ["Checkpoint", "CheckpointError", "load_moe_layer"]
 
@@ -44,7 +44,7 @@ class Checkpoint:
         elif (self.path / "model.safetensors").is_file():
             single = SafetensorsFile(self.path / "model.safetensors")
             self._files = {single.path: single}
-            self._where = dict.fromkeys(single.keys(), single.path)
+            self._where = dict.fromkeys(single.names(), single.path)
         else:
             raise CheckpointError(
                 f"{self.path}: neither model.safetensors nor model.safetensors.index.json")
@@ -102,28 +102,88 @@ class Checkpoint:
 # -- MoE layers ----------------------------------------------------------------------------------
 
 
-def _stack(ck: Checkpoint, names: list[str]) -> np.ndarray:
-    return np.stack([ck.get(n) for n in names])
+# -- linears in any stored format -----------------------------------------------------------------
 
 
-def _per_expert(ck: Checkpoint, block: str, e: int, gate: str, up: str, down: str):
-    """Per-expert tensors ``{block}experts.{e}.{name}.weight`` -> gate_up [E, 2I, H], down."""
-    names = lambda proj: [f"{block}experts.{i}.{proj}.weight" for i in range(e)]  # noqa: E731
-    gate_up = np.concatenate([_stack(ck, names(gate)), _stack(ck, names(up))], axis=1)
-    return gate_up, _stack(ck, names(down))
+def _linear_arrays(ck: Checkpoint, p: str) -> tuple[Format, dict[str, np.ndarray]]:
+    """The stored tensors of linear ``p`` (``{p}.weight`` ...) and their format, told apart by
+    the tensors present: MXFP4 (weight_blocks + weight_scales), ModelOpt NVFP4 (uint8 weight +
+    weight_scale + weight_scale_2), compressed-tensors NVFP4 (weight_packed ...), FP8 block (E4M3
+    weight + weight_scale_inv), or plain floating point."""
+    if ck.has(f"{p}.weight_blocks"):  # MXFP4 in gpt-oss's block layout, one linear
+        return Format.MXFP4, {"blocks": ck.get(f"{p}.weight_blocks"),
+                              "scales": ck.get(f"{p}.weight_scales")}
+    if ck.has(f"{p}.weight_packed"):
+        names = ("weight_packed", "weight_scale", "weight_global_scale")
+        return Format.NVFP4, {n: ck.get(f"{p}.{n}") for n in names} | {"_ct": np.ones(())}
+    weight = ck.get(f"{p}.weight")
+    if weight.dtype == np.uint8:
+        return Format.NVFP4, {"weight": weight, "weight_scale": ck.get(f"{p}.weight_scale"),
+                              "weight_scale_2": ck.get(f"{p}.weight_scale_2")}
+    if ck.has(f"{p}.weight_scale_inv"):
+        return Format.FP8_BLOCK, {"weight": weight,
+                                  "weight_scale_inv": ck.get(f"{p}.weight_scale_inv")}
+    return Format.BF16, {"weight": weight}
 
 
-def _experts(ck: Checkpoint, block: str, e: int, gate="gate_proj", up="up_proj",
-             down="down_proj"):
-    """Routed experts, per-expert or already fused ``experts.gate_up_proj [E, 2I, H]``."""
-    if ck.has(f"{block}experts.gate_up_proj"):
-        return ck.get(f"{block}experts.gate_up_proj"), ck.get(f"{block}experts.down_proj")
-    return _per_expert(ck, block, e, gate, up, down)
+def _qtensor(fmt: Format, a: dict[str, np.ndarray], fp8_block: tuple[int, int]) -> QTensor:
+    match fmt:
+        case Format.NVFP4 if "_ct" in a:
+            return QTensor.from_nvfp4_compressed_tensors(
+                a["weight_packed"], a["weight_scale"], a["weight_global_scale"])
+        case Format.NVFP4:
+            return QTensor.from_nvfp4_modelopt(a["weight"], a["weight_scale"],
+                                               a["weight_scale_2"])
+        case Format.FP8_BLOCK:
+            return QTensor.from_fp8_block(a["weight"], a["weight_scale_inv"], fp8_block)
+        case Format.MXFP4:
+            return QTensor.from_mxfp4(a["blocks"], a["scales"])
+        case Format.BF16:
+            return QTensor.from_float(jnp.asarray(a["weight"]), dtype=None)
 
 
-def _dense(ck: Checkpoint, block: str, gate="gate_proj", up="up_proj", down="down_proj"):
-    gate_up = np.concatenate([ck.get(f"{block}{gate}.weight"), ck.get(f"{block}{up}.weight")])
-    return gate_up, ck.get(f"{block}{down}.weight")
+def _linears(ck: Checkpoint, names: list[str], block: tuple[int, int]) -> QTensor:
+    """Linears ``names`` (one per expert) stacked to ``[E, N, K]`` (or one linear if a str)."""
+    parts = [_linear_arrays(ck, n) for n in names]
+    formats = {f for f, _ in parts}
+    if len(formats) != 1:
+        raise CheckpointError(f"{names[0]} ...: experts stored in mixed formats "
+                              f"{sorted(f.value for f in formats)}")
+    stacked = {k: np.stack([a[k] for _, a in parts]) for k in parts[0][1]}
+    return _qtensor(formats.pop(), stacked, block)
+
+
+def _linear(ck: Checkpoint, name: str, block: tuple[int, int]) -> QTensor:
+    fmt, arrays = _linear_arrays(ck, name)
+    return _qtensor(fmt, arrays, block)
+
+
+def _gate_up(gate: QTensor, up: QTensor) -> QTensor:
+    return concat_rows(gate, up)
+
+
+def _experts(ck: Checkpoint, block: str, cfg: MoEConfig, gate="gate_proj", up="up_proj",
+             down="down_proj") -> tuple[QTensor, QTensor]:
+    """Routed experts ``[E, 2I, H]`` and ``[E, H, I]``: per-expert linears, or already fused
+    ``experts.gate_up_proj [E, 2I, H]`` (float) / ``experts.gate_up_proj_blocks`` (MXFP4)."""
+    fused = f"{block}experts."
+    if ck.has(f"{fused}gate_up_proj_blocks"):
+        return tuple(QTensor.from_mxfp4(ck.get(f"{fused}{n}_blocks"), ck.get(f"{fused}{n}_scales"))
+                     for n in ("gate_up_proj", "down_proj"))
+    if ck.has(f"{fused}gate_up_proj"):
+        return tuple(QTensor.from_float(jnp.asarray(ck.get(f"{fused}{n}")), dtype=None)
+                     for n in ("gate_up_proj", "down_proj"))
+    e, b = cfg.num_experts, cfg.fp8_block
+    names = lambda proj: [f"{block}experts.{i}.{proj}" for i in range(e)]  # noqa: E731
+    gate_up = _gate_up(_linears(ck, names(gate), b), _linears(ck, names(up), b))
+    return gate_up, _linears(ck, names(down), b)
+
+
+def _dense(ck: Checkpoint, block: str, cfg: MoEConfig, gate="gate_proj", up="up_proj",
+           down="down_proj") -> tuple[QTensor, QTensor]:
+    b = cfg.fp8_block
+    return (_gate_up(_linear(ck, f"{block}{gate}", b), _linear(ck, f"{block}{up}", b)),
+            _linear(ck, f"{block}{down}", b))
 
 
 def _opt(ck: Checkpoint, name: str) -> np.ndarray | None:
@@ -137,12 +197,12 @@ Mapper = Callable[[Checkpoint, str, MoEConfig], dict]
 def _map_qwen(ck: Checkpoint, p: str, cfg: MoEConfig) -> dict:
     b = f"{p}mlp."
     _require_router(ck, f"{b}gate.weight", p)
-    gate_up, down = _experts(ck, b, cfg.num_experts)
+    gate_up, down = _experts(ck, b, cfg)
     out = dict(router=ck.get(f"{b}gate.weight"), gate_up=gate_up, down=down)
     if cfg.shared_intermediate_size:
         shared = f"{b}shared_expert." if ck.has(f"{b}shared_expert.gate_proj.weight") \
             else f"{b}shared_experts."
-        out["shared_gate_up"], out["shared_down"] = _dense(ck, shared)
+        out["shared_gate_up"], out["shared_down"] = _dense(ck, shared, cfg)
     if cfg.shared_expert_gate:
         out["shared_gate"] = ck.get(f"{b}shared_expert_gate.weight")
     if cfg.selection_bias:
@@ -153,7 +213,7 @@ def _map_qwen(ck: Checkpoint, p: str, cfg: MoEConfig) -> dict:
 def _map_mixtral(ck: Checkpoint, p: str, cfg: MoEConfig) -> dict:
     b = f"{p}block_sparse_moe."
     _require_router(ck, f"{b}gate.weight", p)
-    gate_up, down = _experts(ck, b, cfg.num_experts, "w1", "w3", "w2")
+    gate_up, down = _experts(ck, b, cfg, "w1", "w3", "w2")
     out = dict(router=ck.get(f"{b}gate.weight"), gate_up=gate_up, down=down)
     if cfg.selection_bias:  # MiniMax-M2 keeps it on the block
         out["selection_bias"] = ck.get(f"{b}e_score_correction_bias")
@@ -163,7 +223,7 @@ def _map_mixtral(ck: Checkpoint, p: str, cfg: MoEConfig) -> dict:
 def _map_longcat(ck: Checkpoint, p: str, cfg: MoEConfig) -> dict:
     b = f"{p}mlp."
     _require_router(ck, f"{b}router.classifier.weight", p)
-    gate_up, down = _per_expert(ck, b, cfg.num_experts, "gate_proj", "up_proj", "down_proj")
+    gate_up, down = _experts(ck, b, cfg)
     return dict(router=ck.get(f"{b}router.classifier.weight"), gate_up=gate_up, down=down,
                 selection_bias=ck.get(f"{b}router.e_score_correction_bias"))
 
@@ -171,12 +231,16 @@ def _map_longcat(ck: Checkpoint, p: str, cfg: MoEConfig) -> dict:
 def _map_gpt_oss(ck: Checkpoint, p: str, cfg: MoEConfig) -> dict:
     b = f"{p}mlp."
     _require_router(ck, f"{b}router.weight", p)
-    # Fused, input-major: gate_up_proj [E, H, 2I] (gate = even columns), down_proj [E, I, H].
+    if ck.has(f"{b}experts.gate_up_proj_blocks"):  # MXFP4, out-major [E, N, K/32, 16]
+        gate_up, down = _experts(ck, b, cfg)
+    else:  # float, input-major: gate_up_proj [E, H, 2I] (gate = even columns), down [E, I, H]
+        gate_up, down = (QTensor.from_float(jnp.swapaxes(ck.get(f"{b}experts.{n}"), 1, 2),
+                                            dtype=None) for n in ("gate_up_proj", "down_proj"))
     return dict(
         router=ck.get(f"{b}router.weight"),
         router_bias=ck.get(f"{b}router.bias"),
-        gate_up=np.swapaxes(ck.get(f"{b}experts.gate_up_proj"), 1, 2),
-        down=np.swapaxes(ck.get(f"{b}experts.down_proj"), 1, 2),
+        gate_up=gate_up,
+        down=down,
         gate_up_bias=ck.get(f"{b}experts.gate_up_proj_bias"),
         down_bias=ck.get(f"{b}experts.down_proj_bias"),
     )
@@ -185,15 +249,15 @@ def _map_gpt_oss(ck: Checkpoint, p: str, cfg: MoEConfig) -> dict:
 def _map_deepseek_v4(ck: Checkpoint, p: str, cfg: MoEConfig) -> dict:
     b = f"{p}ffn."
     _require_router(ck, f"{b}gate.weight", p)
-    gate_up, down = _experts(ck, b, cfg.num_experts, "w1", "w3", "w2")
+    gate_up, down = _experts(ck, b, cfg, "w1", "w3", "w2")
     out = dict(router=ck.get(f"{b}gate.weight"), gate_up=gate_up, down=down)
     if cfg.hash_routing:
         out["tid2eid"] = ck.get(f"{b}gate.tid2eid").astype(np.int32)
     if cfg.selection_bias:
         out["selection_bias"] = ck.get(f"{b}gate.bias")
     if cfg.shared_intermediate_size:
-        out["shared_gate_up"], out["shared_down"] = _dense(ck, f"{b}shared_experts.", "w1", "w3",
-                                                           "w2")
+        out["shared_gate_up"], out["shared_down"] = _dense(ck, f"{b}shared_experts.", cfg,
+                                                           "w1", "w3", "w2")
     return out
 
 
@@ -204,8 +268,7 @@ def _map_gemma4(ck: Checkpoint, p: str, cfg: MoEConfig) -> dict:
         router_scale=ck.get(f"{p}router.scale"),
         per_expert_scale=ck.get(f"{p}router.per_expert_scale"),
         pre_expert_norm=ck.get(f"{p}pre_feedforward_layernorm_2.weight"),
-        gate_up=ck.get(f"{p}experts.gate_up_proj"),
-        down=ck.get(f"{p}experts.down_proj"),
+        **dict(zip(("gate_up", "down"), _experts(ck, p, cfg), strict=True)),
     )
 
 
@@ -246,21 +309,19 @@ def load_moe_layer(path: str | os.PathLike | Checkpoint, layer: int) -> MoEParam
     cfg = moe_config(ck, layer)
     model_type = ck.config.get("model_type")
     fields = _MOE_MAPPERS[model_type](ck, prefix, cfg)
+    # The stored formats decide (quantization configs exclude some modules, e.g. shared experts).
+    shared = fields.get("shared_gate_up")
+    cfg = cfg.replace(
+        expert_format=fields["gate_up"].format,
+        shared_expert_format=shared.format if shared is not None else None,
+    )
     return build_moe_params(fields, cfg, prefix)
 
 
 def build_moe_params(fields: dict, cfg: MoEConfig, where: str) -> MoEParams:
-    """Wrap numpy tensors into MoEParams, checking each shape against the config."""
-    out = {}
-    for name, value in fields.items():
-        if value is None:
-            continue
-        if isinstance(value, QTensor):
-            out[name] = value
-        elif name in ("gate_up", "down", "shared_gate_up", "shared_down"):
-            out[name] = QTensor.from_float(jnp.asarray(value), dtype=None)  # keep dtype
-        else:
-            out[name] = jnp.asarray(value)
+    """MoEParams from QTensors and numpy arrays, every shape checked against the config."""
+    out = {name: v if isinstance(v, QTensor) else jnp.asarray(v)
+           for name, v in fields.items() if v is not None}
     try:
         return MoEParams(config=cfg, **out)
     except ValueError as e:

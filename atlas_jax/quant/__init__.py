@@ -7,7 +7,7 @@ modules ``fp8``, ``nvfp4`` and ``mxfp4`` hold the plain-jnp reference math the k
 
 from atlas_jax.config import Format
 from atlas_jax.quant import fp8, mxfp4, nvfp4
-from atlas_jax.quant.qtensor import QTensor, concat_rows, dequantize, quantize
+from atlas_jax.quant.qtensor import QTensor, concat_rows, dequantize, quantize, reblock_rows
 
 __all__ = [
     "Format",
@@ -18,4 +18,5 @@ __all__ = [
     "mxfp4",
     "nvfp4",
     "quantize",
+    "reblock_rows",
 ]

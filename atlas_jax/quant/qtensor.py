@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 
 import jax
@@ -24,7 +25,11 @@ from atlas_jax.config import Format
 from atlas_jax.quant import fp8, mxfp4, nvfp4
 
 _FLOATS = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
-_NATIVE_BLOCK = {Format.BF16: (1, 1), Format.NVFP4: (1, nvfp4.BLOCK), Format.MXFP4: (1, 32)}
+_NATIVE_BLOCK = {
+    Format.BF16: (1, 1),
+    Format.NVFP4: (1, nvfp4.BLOCK),
+    Format.MXFP4: (1, mxfp4.BLOCK),
+}
 _FP8_DEFAULT_BLOCK = (128, 128)
 
 
@@ -209,7 +214,8 @@ def dequantize(qt: QTensor, dtype=jnp.float32) -> jax.Array:
 def concat_rows(a: QTensor, b: QTensor) -> QTensor:
     """Concatenate along N: ``[*L, Na, K] ++ [*L, Nb, K] -> [*L, Na + Nb, K]`` (fuses gate|up).
 
-    FP8_BLOCK needs ``Na % b0 == 0`` so that ``b``'s row blocks stay aligned. NVFP4 keeps one
+    FP8_BLOCK with ``Na % b0 != 0`` (e.g. gate rows fewer than 128) first re-blocks both to
+    ``b0' = gcd(Na, b0)`` rows by repeating scale rows, which is exact. NVFP4 keeps one
     global segment when both are single-segment and concretely equal; otherwise (different, or
     traced under jit) the segments are concatenated, ``R = Ra + Rb``, which needs the same rows
     per segment (``Na / Ra == Nb / Rb``).
@@ -229,12 +235,26 @@ def concat_rows(a: QTensor, b: QTensor) -> QTensor:
     g = None
     match a.format:
         case Format.FP8_BLOCK if na % a.block[0]:
-            raise ValueError(f"a: expected N a multiple of b0={a.block[0]}, got N={na}")
+            rows = math.gcd(na, a.block[0])
+            return concat_rows(reblock_rows(a, rows), reblock_rows(b, rows))
         case Format.NVFP4:
             g = _concat_globals(a.global_scale, b.global_scale, na, nb)
     cat = lambda x, y: None if x is None else jnp.concatenate([x, y], axis=-2)
     shape = (*a.shape[:-2], na + nb, a.shape[-1])
     return QTensor(cat(a.data, b.data), cat(a.scale, b.scale), g, a.format, shape, a.block)
+
+
+def reblock_rows(q: QTensor, b0: int) -> QTensor:
+    """FP8_BLOCK ``q`` with scale blocks of ``b0`` rows (``b0`` divides ``q.block[0]``): each old
+    scale row is repeated for the new blocks inside it, so the values are unchanged."""
+    old_b0, b1 = q.block
+    if q.format is not Format.FP8_BLOCK or old_b0 % b0:
+        raise ValueError(f"reblock_rows: needs FP8_BLOCK with b0={b0} dividing {old_b0}, "
+                         f"got {q.format.value} block {q.block}")
+    nb0 = -(-q.shape[-2] // b0)
+    rows = (jnp.arange(nb0) * b0) // old_b0  # [nb0'] old block of each new block
+    scale = jnp.take(q.scale, rows, axis=-2)
+    return QTensor(q.data, scale, None, q.format, q.shape, (b0, b1))
 
 
 # ---- helpers -------------------------------------------------------------------------------------

@@ -1,0 +1,62 @@
+"""Timing helpers and the two ceilings (HBM copy bandwidth, dense bf16 matmul rate), measured in
+the same run as the benchmark that reports against them."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def time_jax(fn: Callable, *args, iters: int = 20, repeats: int = 5, warmup: int = 2) -> float:
+    """Median seconds per call of an already-jitted ``fn(*args)`` (device-synchronized)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / iters)
+    return statistics.median(samples)
+
+
+def time_torch(fn: Callable) -> float:
+    """Median seconds per call, timed with CUDA events (triton.testing.do_bench)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
+
+
+def hbm_copy_bandwidth(gib: float = 4.0) -> float:
+    """Bytes/s of a device copy (bytes read + bytes written), as METHOD.md measures it."""
+    n = int(gib * 2**30) // 4
+    x = jnp.arange(n, dtype=jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0001)
+    seconds = time_jax(copy, x, iters=10)
+    return 2 * x.nbytes / seconds
+
+
+def dense_matmul_rate(n: int = 8192) -> float:
+    """FLOP/s of an XLA bf16 n^3 matmul on random data."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.bfloat16))
+    return 2 * n**3 / time_jax(mm, a, b, iters=10)
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    """A markdown table of ``rows`` (dicts), numbers formatted compactly."""
+
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)

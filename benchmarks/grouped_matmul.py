@@ -1,0 +1,235 @@
+"""Grouped-matmul benchmark (MoE prefill): our Pallas kernel in every format against
+torch._grouped_mm (bf16), JAX's ragged_dot_mgpu (bf16) and jax.lax.ragged_dot, with the dense
+bf16 matmul rate and HBM bandwidth measured in the same run.
+
+    python benchmarks/grouped_matmul.py [--quick] [--out results.md]
+
+Step 1 checks the kernel against the plain-jnp reference on the GPU (every format, fused
+activation, W8A8, skewed and empty groups); step 2 times. Needs a GPU (torch optional).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from atlas_jax.config import Format  # noqa: E402
+from atlas_jax.quant import QTensor, quantize  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    dense_matmul_rate,
+    hbm_copy_bandwidth,
+    table,
+    time_jax,
+    time_torch,
+)
+from pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference  # noqa: E402
+
+SHAPES = {  # name: (H, I, E, k)
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "deepseek-v3": (7168, 2048, 256, 8),
+    "gpt-oss-120b": (2880, 2880, 128, 4),
+}
+FORMATS = ["bf16", "fp8_block", "fp8_w8a8", "nvfp4", "mxfp4"]
+
+
+def routing_group_sizes(key, tokens: int, experts: int, k: int) -> jax.Array:
+    """Group sizes of random top-k routing (k distinct experts per token)."""
+    scores = jax.random.uniform(key, (tokens, experts))
+    ids = jax.lax.top_k(scores, k)[1].reshape(-1)
+    return jnp.bincount(ids, length=experts).astype(jnp.int32)
+
+
+def kernel_args(q: QTensor, fmt: str) -> dict:
+    """Raw arrays of a QTensor for the kernel's keyword interface."""
+    kw = dict(fmt=q.format.value, scale=q.scale, global_scale=q.global_scale)
+    if q.format is Format.FP8_BLOCK:
+        kw["block_size"] = q.block
+    if fmt == "fp8_w8a8":
+        kw["act_quant"] = "fp8"
+    return kw
+
+
+def make_weight(key, g: int, n: int, k: int, fmt: str) -> QTensor:
+    w = jax.random.normal(key, (g, n, k), jnp.bfloat16) * (k**-0.5)
+    match fmt:
+        case "bf16":
+            return quantize(w, Format.BF16)
+        case "fp8_block" | "fp8_w8a8":
+            return quantize(w, Format.FP8_BLOCK)
+        case "nvfp4":
+            return quantize(w, Format.NVFP4)
+        case "mxfp4":
+            return quantize(w, Format.MXFP4)
+    raise ValueError(fmt)
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+# ---------------------------------------------------------------------------------------------
+# step 1: correctness on the GPU
+# ---------------------------------------------------------------------------------------------
+
+
+def check_correctness() -> list[dict]:
+    rows = []
+    key = jax.random.key(0)
+    cases = [  # (M, N, K, G, group_sizes pattern)
+        (1000, 384, 512, 8, "random"),
+        (777, 320, 256, 16, "skewed+empty"),
+    ]
+    for m, n, k, g, pattern in cases:
+        kx, kw, kg = jax.random.split(jax.random.fold_in(key, m), 3)
+        x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+        if pattern == "random":
+            gs = routing_group_sizes(kg, m // 2, g, 2)
+        else:
+            gs = jnp.zeros((g,), jnp.int32).at[0].set(0).at[3].set(m - 40).at[g - 1].set(17)
+        for fmt in FORMATS:
+            q = make_weight(kw, g, n, k, fmt)
+            for activation in (None, "silu", "gpt_oss"):
+                kwargs = kernel_args(q, fmt)
+                if activation:
+                    kwargs.update(activation=activation,
+                                  gate_up_layout="interleaved" if activation == "gpt_oss"
+                                  else "concatenated")
+                out = grouped_matmul(x, q.data, gs, out_dtype=jnp.float32, **kwargs)
+                ref = grouped_matmul_reference(x, q.data, gs, out_dtype=jnp.float32, **kwargs)
+                err = rel_err(out, ref)
+                ok = bool(np.isfinite(np.asarray(out)).all()) and err < 2e-2
+                rows.append(dict(M=m, N=n, K=k, G=g, groups=pattern, format=fmt,
+                                 activation=activation or "-", rel_err=err,
+                                 ok="yes" if ok else "NO"))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# step 2: timings
+# ---------------------------------------------------------------------------------------------
+
+
+def torch_grouped_mm(x: jax.Array, w: jax.Array, gs: jax.Array):
+    """A zero-arg callable running torch._grouped_mm on copies of the inputs, or None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    tx = torch.from_dlpack(x)
+    tw = torch.from_dlpack(w).transpose(-2, -1)  # [G, K, N] view of [G, N, K]
+    offs = torch.from_dlpack(jnp.cumsum(gs).astype(jnp.int32))
+    return lambda: torch._grouped_mm(tx, tw, offs=offs, out_dtype=torch.bfloat16)
+
+
+def mgpu_ragged_dot(x, w, gs):
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    n = w.shape[1]
+    block_n = 128
+    if n % block_n:
+        raise ValueError(f"N={n} is not a multiple of block_n={block_n}")
+    grid_block_n = next(b for b in (4, 2, 1) if (n // block_n) % b == 0)
+    return jax.jit(functools.partial(
+        ragged_dot_mgpu.ragged_dot, block_m=128, block_n=block_n, block_k=64,
+        max_concurrent_steps=4, grid_block_n=grid_block_n, transpose_rhs=True))(
+            x, w, group_sizes=gs)
+
+
+def bench(quick: bool) -> tuple[list[dict], dict]:
+    import time
+
+    ceilings = dict(hbm=hbm_copy_bandwidth(), mm=dense_matmul_rate())
+    rows = []
+    token_counts = [4096] if quick else [512, 4096, 16384]
+    key = jax.random.key(1)
+    for shape, (h, inter, e, k) in SHAPES.items():
+        for op, (n, kdim) in (("gate_up", (2 * inter, h)), ("down", (h, inter))):
+            weights = {}
+            for tokens in token_counts:
+                formats = FORMATS if tokens == 4096 else ["bf16", "nvfp4"]
+                m = tokens * k
+                gs = routing_group_sizes(jax.random.fold_in(key, tokens), tokens, e, k)
+                x = jax.random.normal(jax.random.fold_in(key, 7), (m, kdim), jnp.bfloat16)
+                flops = 2.0 * m * n * kdim
+                base = dict(shape=shape, op=op, tokens=tokens, M=m, N=n, K=kdim)
+                t0 = time.perf_counter()
+                wb = weights.setdefault("bf16", make_weight(key, e, n, kdim, "bf16"))
+                peers = {}
+                f = torch_grouped_mm(x, wb.data, gs)
+                if f is not None:
+                    peers["torch"] = time_torch(f)
+                try:
+                    peers["mgpu"] = time_jax(functools.partial(mgpu_ragged_dot, gs=gs), x, wb.data)
+                except Exception as err:  # report, do not hide: the table says why
+                    peers["mgpu_error"] = f"{type(err).__name__}: {str(err)[:60]}"
+                if tokens <= 4096:
+                    rd = jax.jit(lambda a, b, g: jax.lax.ragged_dot(
+                        a, jnp.swapaxes(b, 1, 2), g))
+                    peers["ragged_dot"] = time_jax(rd, x, wb.data, gs, iters=2, repeats=3,
+                                                   warmup=1)
+                for fmt in formats:
+                    q = weights.setdefault(fmt, make_weight(key, e, n, kdim, fmt))
+                    fn = jax.jit(functools.partial(grouped_matmul, **kernel_args(q, fmt)))
+                    t = time_jax(fn, x, q.data, gs)
+                    row = dict(base, format=fmt, us=t * 1e6, tflops=flops / t / 1e12,
+                               frac_dense=flops / t / ceilings["mm"])
+                    if "torch" in peers:
+                        row["torch_tflops"] = flops / peers["torch"] / 1e12
+                        row["vs_torch"] = peers["torch"] / t
+                    if "mgpu" in peers:
+                        row["mgpu_tflops"] = flops / peers["mgpu"] / 1e12
+                        row["vs_mgpu"] = peers["mgpu"] / t
+                    else:
+                        row["mgpu_tflops"] = peers.get("mgpu_error", "")
+                    if "ragged_dot" in peers:
+                        row["ragged_dot_tflops"] = flops / peers["ragged_dot"] / 1e12
+                    rows.append(row)
+                    print(table([row], list(row)), flush=True)
+                print(f"# {shape} {op} {tokens}: {time.perf_counter() - t0:.1f}s", flush=True)
+            weights.clear()
+    return rows, ceilings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="4096 tokens only")
+    parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--out", type=Path, help="write the markdown tables here")
+    args = parser.parse_args()
+    if jax.default_backend() != "gpu":
+        sys.exit("benchmarks/grouped_matmul.py needs a GPU")
+    device = jax.devices()[0]
+    lines = [f"## grouped_matmul ({datetime.date.today()}, {device.device_kind}, jax "
+             f"{jax.__version__})", ""]
+    if not args.skip_check:
+        check = check_correctness()
+        lines += ["### Correctness on the GPU (kernel vs reference)", "",
+                  table(check, list(check[0])), ""]
+        print("\n".join(lines), flush=True)
+        bad = [r for r in check if r["ok"] != "yes"]
+        if bad:
+            print(f"{len(bad)} correctness failures", flush=True)
+    rows, ceilings = bench(args.quick)
+    cols = ["shape", "op", "tokens", "format", "us", "tflops", "torch_tflops", "vs_torch",
+            "mgpu_tflops", "vs_mgpu", "ragged_dot_tflops", "frac_dense"]
+    lines += [f"HBM copy {ceilings['hbm'] / 1e12:.2f} TB/s, dense bf16 matmul "
+              f"{ceilings['mm'] / 1e12:.0f} TFLOP/s (measured in this run)", "",
+              table(rows, cols), ""]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
