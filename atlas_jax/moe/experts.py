@@ -1,5 +1,5 @@
-"""Expert MLPs: gated activations, the prefill (sorted grouped matmul) and decode (gather the
-selected experts only) variants, and the shared expert."""
+"""Expert MLPs: the prefill (sorted grouped matmul) and decode (gather the selected experts
+only) variants, and the shared expert."""
 
 from __future__ import annotations
 
@@ -7,42 +7,13 @@ import jax
 import jax.numpy as jnp
 
 from atlas_jax import ops
-from atlas_jax.config import Activation, GateUpLayout, KernelConfig, MoEConfig
+from atlas_jax.config import GateUpLayout, KernelConfig, MoEConfig
 from atlas_jax.moe.dispatch import combine, permute, unpermute
 from atlas_jax.moe.params import MoEParams
 from atlas_jax.moe.routing import Routing
+from atlas_jax.ops.activation import GateUp, gated_activation
 from atlas_jax.ops.grouped_matmul import compute_dtype
 from atlas_jax.quant import QTensor, dequantize
-
-GPT_OSS_ALPHA = 1.702
-
-
-def split_gate_up(h: jax.Array, layout: GateUpLayout) -> tuple[jax.Array, jax.Array]:
-    """[..., 2I] -> gate [..., I], up [..., I]."""
-    match layout:
-        case GateUpLayout.CONCATENATED:
-            return jnp.split(h, 2, axis=-1)
-        case GateUpLayout.INTERLEAVED:
-            return h[..., 0::2], h[..., 1::2]
-
-
-def activate(h: jax.Array, cfg: MoEConfig, layout: GateUpLayout | None = None) -> jax.Array:
-    """Gated activation ``act(gate) * up`` of a float32 gate_up product (``layout`` defaults
-    to the config's)."""  # [.., 2I] -> [.., I]
-    gate, up = split_gate_up(h.astype(jnp.float32), layout or cfg.gate_up_layout)
-    limit = cfg.swiglu_limit
-    match cfg.activation:
-        case Activation.SILU:
-            if limit is not None:  # DeepSeek-V4: gate <= limit, |up| <= limit
-                gate = jnp.minimum(gate, limit)
-                up = jnp.clip(up, -limit, limit)
-            return jax.nn.silu(gate) * up
-        case Activation.GELU_TANH:
-            return jax.nn.gelu(gate, approximate=True) * up
-        case Activation.GPT_OSS:
-            gate = jnp.minimum(gate, limit)
-            up = jnp.clip(up, -limit, limit)
-            return (up + 1.0) * (gate * jax.nn.sigmoid(GPT_OSS_ALPHA * gate))
 
 
 def routed_experts_prefill(params: MoEParams, x: jax.Array, r: Routing,
@@ -52,9 +23,9 @@ def routed_experts_prefill(params: MoEParams, x: jax.Array, r: Routing,
     cfg = params.config
     p = permute(r.expert_ids, cfg.num_experts)
     xs = x[p.token_of_row]  # [T*k, H] rows sorted by expert
-    h = ops.grouped_matmul(xs, params.gate_up, p.group_sizes, bias=params.gate_up_bias,
-                           kernels=kernels)  # [T*k, 2I] f32
-    a = activate(h, cfg).astype(compute_dtype(x))  # [T*k, I]
+    a = ops.grouped_matmul(xs, params.gate_up, p.group_sizes, bias=params.gate_up_bias,
+                           epilogue=GateUp.of(cfg), kernels=kernels)  # [T*k, I] f32
+    a = a.astype(compute_dtype(x))
     y = ops.grouped_matmul(a, params.down, p.group_sizes, bias=params.down_bias,
                            kernels=kernels)  # [T*k, H] f32
     return combine(unpermute(y, p), x, r, cfg.num_experts)
@@ -77,7 +48,7 @@ def routed_experts_decode(params: MoEParams, x: jax.Array, r: Routing) -> jax.Ar
     h = jnp.einsum("th,unh->utn", xc, gu, preferred_element_type=jnp.float32)  # [U, T, 2I]
     if params.gate_up_bias is not None:
         h = h + params.gate_up_bias[safe][:, None, :].astype(jnp.float32)
-    a = activate(h, cfg).astype(dtype)  # [U, T, I]
+    a = gated_activation(h, GateUp.of(cfg)).astype(dtype)  # [U, T, I]
     dn = dequantize(params.down.take(safe), dtype=dtype)  # [U, H, I]
     y = jnp.einsum("uti,uhi->uth", a, dn, preferred_element_type=jnp.float32)  # [U, T, H]
     if params.down_bias is not None:
@@ -91,7 +62,7 @@ def dense_mlp(x: jax.Array, gate_up: QTensor, down: QTensor, cfg: MoEConfig) -> 
     dtype = compute_dtype(x)
     h = jnp.einsum("th,nh->tn", x.astype(dtype), dequantize(gate_up, dtype=dtype),
                    preferred_element_type=jnp.float32)
-    a = activate(h, cfg, GateUpLayout.CONCATENATED).astype(dtype)
+    a = gated_activation(h, GateUp.of(cfg, GateUpLayout.CONCATENATED)).astype(dtype)
     return jnp.einsum("ti,hi->th", a, dequantize(down, dtype=dtype),
                       preferred_element_type=jnp.float32)
 

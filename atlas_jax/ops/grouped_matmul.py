@@ -2,18 +2,22 @@
 
 ``out[m] = x[m] @ W[g(m)]^T (+ bias[g(m)])`` over rows sorted by group, with ``group_sizes[g]``
 rows per group; rows past ``sum(group_sizes)`` are padding and come out as zeros. ``W`` is a
-QTensor ``[G, N, K]`` of any format. The "xla" implementation is the plain-jnp reference
-(dequantize, then ``jax.lax.ragged_dot`` accumulating in float32); the "pallas" implementation
-dequantizes inside the kernel.
+QTensor ``[G, N, K]`` of any format. With an ``epilogue`` (a gate_up matmul) the result is
+``act(gate) * up`` of width ``N / 2``. The "xla" implementation is the plain-jnp reference
+(dequantize, then ``jax.lax.ragged_dot`` accumulating in float32); the "pallas" one
+(``pallas_kernels.grouped_matmul``) dequantizes inside the kernel and fuses the epilogue.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from atlas_jax.config import Backend, KernelConfig
-from atlas_jax.ops._dispatch import resolve_backend
+from atlas_jax.config import Activation, Backend, Format, KernelConfig
+from atlas_jax.ops._dispatch import interpret_mode, resolve_backend
+from atlas_jax.ops.activation import GateUp, gated_activation
 from atlas_jax.quant import QTensor, dequantize
 
 
@@ -33,19 +37,72 @@ def grouped_matmul_reference(
     w: QTensor,  # [G, N, K]
     group_sizes: jax.Array,  # [G] int32
     bias: jax.Array | None = None,  # [G, N]
-) -> jax.Array:  # [M, N] float32
+    epilogue: GateUp | None = None,
+) -> jax.Array:  # [M, N] (or [M, N/2] with an epilogue) float32
     dtype = compute_dtype(x)
     wt = jnp.swapaxes(dequantize(w, dtype=dtype), -1, -2)  # [G, K, N]
     out = jax.lax.ragged_dot(
         x.astype(dtype), wt, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
     gid = group_ids(group_sizes, x.shape[0])  # [M]
-    valid = (gid < w.shape[0])[:, None]  # [M, 1]
     if bias is not None:
         out = out + jnp.take(bias.astype(jnp.float32), gid, axis=0, mode="fill", fill_value=0)
-    return jnp.where(valid, out, 0.0)
+    if epilogue is not None:
+        out = gated_activation(out, epilogue)
+    return jnp.where((gid < w.shape[0])[:, None], out, 0.0)
 
 
-def _check(x: jax.Array, w: QTensor, group_sizes: jax.Array, bias: jax.Array | None) -> None:
+def _kernel_fuses(epilogue: GateUp | None) -> bool:
+    """Whether the Pallas epilogue implements ``epilogue`` (its SiLU has no clamp)."""
+    return epilogue is not None and not (
+        epilogue.activation is Activation.SILU and epilogue.limit is not None)
+
+
+def grouped_matmul_pallas(
+    x: jax.Array,  # [M, K]
+    w: QTensor,  # [G, N, K]
+    group_sizes: jax.Array,  # [G] int32
+    bias: jax.Array | None = None,  # [G, N]
+    epilogue: GateUp | None = None,
+    kernels: KernelConfig | None = None,
+) -> jax.Array:
+    from pallas_kernels.grouped_matmul import grouped_matmul as kernel
+
+    fused = _kernel_fuses(epilogue)
+    kw = dict(fmt=w.format.value, scale=w.scale, global_scale=w.global_scale, bias=bias,
+              out_dtype=jnp.float32, tile=_tile(x, w, epilogue if fused else None, kernels),
+              interpret=interpret_mode())
+    if w.format is Format.FP8_BLOCK:
+        kw["block_size"] = w.block
+    if fused:
+        kw.update(activation=epilogue.activation.value, gate_up_layout=epilogue.layout.value)
+        if epilogue.limit is not None:
+            kw["limit"] = epilogue.limit
+    out = kernel(x, w.data, group_sizes.astype(jnp.int32), **kw)
+    return out if fused or epilogue is None else gated_activation(out, epilogue)
+
+
+def _tile(x, w: QTensor, epilogue: GateUp | None, kernels: KernelConfig | None):
+    """The heuristic's tile with KernelConfig's overrides applied; None (the kernel's own
+    heuristic) when nothing is overridden."""
+    k = kernels or KernelConfig()
+    block_m = k.gmm_gate_up_block_m if epilogue is not None else None
+    overrides = dict(block_m=block_m or k.gmm_block_m, block_n=k.gmm_block_n,
+                     block_k=k.gmm_block_k, num_stages=k.gmm_num_stages)
+    overrides = {name: v for name, v in overrides.items() if v is not None}
+    if not overrides:
+        return None
+    from pallas_kernels.grouped_matmul import choose_tile_config, device_kind, device_sm_count
+
+    g, n, kdim = w.shape
+    base = choose_tile_config(
+        x.shape[0], n // 2 if epilogue is not None else n, kdim, g, w.format.value,
+        fused_gate_up=epilogue is not None, fp8_block=w.block, sm_count=device_sm_count(),
+        device_kind=device_kind())
+    return dataclasses.replace(base, **overrides)
+
+
+def _check(x: jax.Array, w: QTensor, group_sizes: jax.Array, bias: jax.Array | None,
+           epilogue: GateUp | None) -> None:
     if not isinstance(w, QTensor):
         raise TypeError(f"grouped_matmul: w must be a QTensor, got {type(w).__name__}")
     if x.ndim != 2:
@@ -61,6 +118,8 @@ def _check(x: jax.Array, w: QTensor, group_sizes: jax.Array, bias: jax.Array | N
         raise TypeError(f"grouped_matmul: group_sizes must be integer, got {group_sizes.dtype}")
     if bias is not None and bias.shape != (g, n):
         raise ValueError(f"grouped_matmul: bias must be [{g}, {n}], got {bias.shape}")
+    if epilogue is not None and n % 2:
+        raise ValueError(f"grouped_matmul: a gate_up epilogue needs an even N, got N={n}")
 
 
 def grouped_matmul(
@@ -69,15 +128,13 @@ def grouped_matmul(
     group_sizes: jax.Array,  # [G] int32, sum <= M
     *,
     bias: jax.Array | None = None,  # [G, N]
+    epilogue: GateUp | None = None,  # gate_up: return act(gate) * up, [M, N/2]
     kernels: KernelConfig | None = None,
-) -> jax.Array:  # [M, N] float32
+) -> jax.Array:  # [M, N] or [M, N/2] float32
     """Grouped matmul over rows sorted by group, float32 out (padding rows are zero)."""
-    _check(x, w, group_sizes, bias)
-    backend = (kernels or KernelConfig()).grouped_matmul
-    match resolve_backend("grouped_matmul", backend, pallas_available=False):
+    _check(x, w, group_sizes, bias, epilogue)
+    match resolve_backend("grouped_matmul", (kernels or KernelConfig()).grouped_matmul):
         case Backend.XLA:
-            return grouped_matmul_reference(x, w, group_sizes, bias)
-        case backend:
-            raise NotImplementedError(
-                f"grouped_matmul backend {backend.value!r}: the Pallas grouped-matmul kernel is "
-                "not wired in yet; use KernelConfig(grouped_matmul='xla')")
+            return grouped_matmul_reference(x, w, group_sizes, bias, epilogue)
+        case Backend.PALLAS:
+            return grouped_matmul_pallas(x, w, group_sizes, bias, epilogue, kernels)
