@@ -235,6 +235,26 @@ def test_gpt_oss():
     assert a.sinks and a.qkv_bias and a.o_bias and a.rope.scaling is C.RopeScaling.YARN
 
 
+def test_attention_bias_rules_and_fp8_block():
+    """Qwen3 family: o_proj bias = attention_bias (as q/k/v); Qwen2-MoE: qkv_bias (default on),
+    o_proj never; an FP8 quantization_config sets weight_format and fp8_block."""
+    q3 = dict(HF_CONFIGS["qwen3"])
+    for bias in (False, True):
+        a = aj.AttentionConfig.from_hf_config({**q3, "attention_bias": bias})
+        assert a.qkv_bias == a.o_bias == bias
+    q2 = dict(HF_CONFIGS["qwen2_moe"])
+    a = aj.AttentionConfig.from_hf_config({k: v for k, v in q2.items() if k != "qkv_bias"})
+    assert a.qkv_bias and not a.o_bias
+    assert not aj.AttentionConfig.from_hf_config({**q2, "qkv_bias": False}).qkv_bias
+    fp8 = {**q3, "quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 32]}}
+    a = aj.AttentionConfig.from_hf_config(fp8)
+    assert a.weight_format is C.Format.FP8_BLOCK and a.fp8_block == (64, 32)
+    assert aj.AttentionConfig.from_hf_config(q3).fp8_block == (128, 128)
+    with pytest.raises(ValueError, match=r"AttentionConfig.fp8_block=\(0, 128\)"):
+        aj.AttentionConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                           fp8_block=(0, 128))
+
+
 def test_qwen3_next():
     d = HF_CONFIGS["qwen3_next"]
     c = aj.MoEConfig.from_hf_config(d)

@@ -587,3 +587,17 @@ class TestTileConfig:
             assert isinstance(sm, int) and sm > 0
         else:
             assert sm is None
+
+
+def test_tuned_store_round_trip(tmp_path):
+    from pallas_kernels.grouped_matmul.tuned import store, tuned_key, tuned_tile_config
+
+    path = tmp_path / "tuned.json"
+    key = tuned_key(4096 * 8, 1536, 2048, 128, "nvfp4", fused_gate_up=False)
+    assert key == "nvfp4|none|plain|n1536|k2048|rpg256"
+    assert tuned_tile_config("NVIDIA H200", key, path) is None
+    tile = TileConfig(128, 256, 64, 8, 3)
+    store("NVIDIA H200", {key: tile}, path)
+    assert tuned_tile_config("NVIDIA H200", key, path) == tile
+    assert tuned_tile_config("NVIDIA H100", key, path) is None
+    assert tuned_tile_config(None, key, path) is None

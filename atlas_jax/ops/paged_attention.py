@@ -7,7 +7,8 @@ heads per kv head) and, with sinks, one extra per-head logit in the softmax deno
 (causal, which covers a cached prefix and the causal chunk alike) and, with a sliding window W,
 ``q_pos[b, s] - t < W`` (transformers' ``sliding_window_overlay``). ``q_pos = -1`` marks a
 padding query: it sees nothing and its output is 0 (as is any row with no visible key and no
-sink).
+sink). Slots no query sees (unused table entries, positions past the queries) may hold anything,
+NaN included: they never reach the output.
 
 The "xla" implementation is the plain-jnp reference: gather each sequence's pages,
 dequantize, logits and softmax in float32 (HIGHEST matmul precision). The "pallas" kernel comes
@@ -60,6 +61,7 @@ def paged_attention_reference(
         m = jnp.maximum(m, sink)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.where(visible, jnp.exp(logits - m[..., None]), 0.0)  # [B, Hk, G, S, L]
+    v = jnp.where(visible.any(axis=3)[:, 0, 0, :, None, None], v, 0.0)  # unseen slots: any junk
     denom = p.sum(-1)  # [B, Hk, G, S]
     if sinks is not None:
         denom = denom + jnp.exp(sink - m)

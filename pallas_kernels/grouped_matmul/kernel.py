@@ -59,6 +59,7 @@ from pallas_kernels.grouped_matmul.reference import (
     GPT_OSS_LIMIT,
     quantize_activations_fp8,
 )
+from pallas_kernels.grouped_matmul.tuned import tuned_key, tuned_tile_config
 
 _SQRT_2_OVER_PI = 0.7978845608028654
 _OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -537,6 +538,10 @@ def grouped_matmul(
         return jnp.zeros((0, n), out_dtype)
 
     # ---- tile ----
+    if tile is None:
+        tile = tuned_tile_config(device_kind(), tuned_key(
+            m, n, k, num_groups, fmt, fused_gate_up=halves == 2,
+            act_quant=ActivationQuant.FP8 if w8a8 else ActivationQuant.NONE))
     if tile is None:
         tile = choose_tile_config(
             m,
