@@ -1,7 +1,9 @@
 """Loading HF model directories (config.json + safetensors, sharded or not) into params pytrees.
 
-Per-layer loads read only that layer's tensors. Expert tensors are stacked to ``[E, ...]``;
-gate and up are fused to ``gate_up [E, 2I, H]`` (gate rows first, or interleaved for gpt-oss).
+Per-layer loads read only that layer's tensors. Every linear is read in the format it is stored
+in (``atlas_jax.quant.stored``), not the one quantization_config suggests (it excludes modules).
+Expert tensors are stacked to ``[E, ...]``; gate and up are fused to ``gate_up [E, 2I, H]``
+(gate rows first, or interleaved for gpt-oss).
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from atlas_jax._safetensors import CheckpointError, SafetensorsFile
-from atlas_jax.config import Format, MoEConfig, _text_config
+from atlas_jax.attention.params import AttentionParams, from_hf_tensors
+from atlas_jax.config import AttentionConfig, MoEConfig, _text_config
 from atlas_jax.moe.params import MoEParams
 from atlas_jax.quant import QTensor, concat_rows
+from atlas_jax.quant.stored import linear_from_tensors, qtensor_from_arrays, stored_arrays
 
-__all__ = ["Checkpoint", "CheckpointError", "load_moe_layer"]
+__all__ = ["Checkpoint", "CheckpointError", "load_attention_layer", "load_moe_layer"]
 
 # Where the decoder layers live, by the prefix of their tensor names.
 _LAYER_PREFIXES = ("model.layers.", "model.language_model.layers.", "language_model.model.layers.",
@@ -99,63 +103,22 @@ class Checkpoint:
         return f"{self.layer_prefix}{index}."
 
 
-# -- MoE layers ----------------------------------------------------------------------------------
-
-
-# -- linears in any stored format -----------------------------------------------------------------
-
-
-def _linear_arrays(ck: Checkpoint, p: str) -> tuple[Format, dict[str, np.ndarray]]:
-    """The stored tensors of linear ``p`` (``{p}.weight`` ...) and their format, told apart by
-    the tensors present: MXFP4 (weight_blocks + weight_scales), ModelOpt NVFP4 (uint8 weight +
-    weight_scale + weight_scale_2), compressed-tensors NVFP4 (weight_packed ...), FP8 block (E4M3
-    weight + weight_scale_inv), or plain floating point."""
-    if ck.has(f"{p}.weight_blocks"):  # MXFP4 in gpt-oss's block layout, one linear
-        return Format.MXFP4, {"blocks": ck.get(f"{p}.weight_blocks"),
-                              "scales": ck.get(f"{p}.weight_scales")}
-    if ck.has(f"{p}.weight_packed"):
-        names = ("weight_packed", "weight_scale", "weight_global_scale")
-        return Format.NVFP4, {n: ck.get(f"{p}.{n}") for n in names} | {"_ct": np.ones(())}
-    weight = ck.get(f"{p}.weight")
-    if weight.dtype == np.uint8:
-        return Format.NVFP4, {"weight": weight, "weight_scale": ck.get(f"{p}.weight_scale"),
-                              "weight_scale_2": ck.get(f"{p}.weight_scale_2")}
-    if ck.has(f"{p}.weight_scale_inv"):
-        return Format.FP8_BLOCK, {"weight": weight,
-                                  "weight_scale_inv": ck.get(f"{p}.weight_scale_inv")}
-    return Format.BF16, {"weight": weight}
-
-
-def _qtensor(fmt: Format, a: dict[str, np.ndarray], fp8_block: tuple[int, int]) -> QTensor:
-    match fmt:
-        case Format.NVFP4 if "_ct" in a:
-            return QTensor.from_nvfp4_compressed_tensors(
-                a["weight_packed"], a["weight_scale"], a["weight_global_scale"])
-        case Format.NVFP4:
-            return QTensor.from_nvfp4_modelopt(a["weight"], a["weight_scale"],
-                                               a["weight_scale_2"])
-        case Format.FP8_BLOCK:
-            return QTensor.from_fp8_block(a["weight"], a["weight_scale_inv"], fp8_block)
-        case Format.MXFP4:
-            return QTensor.from_mxfp4(a["blocks"], a["scales"])
-        case Format.BF16:
-            return QTensor.from_float(jnp.asarray(a["weight"]), dtype=None)
+# -- linears in any stored format (atlas_jax.quant.stored) ---------------------------------------
 
 
 def _linears(ck: Checkpoint, names: list[str], block: tuple[int, int]) -> QTensor:
-    """Linears ``names`` (one per expert) stacked to ``[E, N, K]`` (or one linear if a str)."""
-    parts = [_linear_arrays(ck, n) for n in names]
+    """Linears ``names`` (one per expert) stacked to ``[E, N, K]``."""
+    parts = [stored_arrays(ck.get, ck.has, n) for n in names]
     formats = {f for f, _ in parts}
     if len(formats) != 1:
         raise CheckpointError(f"{names[0]} ...: experts stored in mixed formats "
                               f"{sorted(f.value for f in formats)}")
     stacked = {k: np.stack([a[k] for _, a in parts]) for k in parts[0][1]}
-    return _qtensor(formats.pop(), stacked, block)
+    return qtensor_from_arrays(formats.pop(), stacked, block)
 
 
 def _linear(ck: Checkpoint, name: str, block: tuple[int, int]) -> QTensor:
-    fmt, arrays = _linear_arrays(ck, name)
-    return _qtensor(fmt, arrays, block)
+    return linear_from_tensors(ck.get, ck.has, name, block)
 
 
 def _gate_up(gate: QTensor, up: QTensor) -> QTensor:
@@ -326,3 +289,52 @@ def build_moe_params(fields: dict, cfg: MoEConfig, where: str) -> MoEParams:
         return MoEParams(config=cfg, **out)
     except ValueError as e:
         raise ValueError(f"{where}: checkpoint disagrees with config.json: {e}") from None
+
+
+# -- attention layers ----------------------------------------------------------------------------
+
+
+def attention_config(ck: Checkpoint, layer: int) -> AttentionConfig:
+    """The AttentionConfig of decoder layer ``layer`` (range-checked), by ``layer_types`` where
+    config.json has it: ``sliding_attention`` layers get ``sliding_window``, ``full_attention``
+    layers none; a layer without softmax attention (Qwen3-Next ``linear_attention``) raises."""
+    ck.layer(layer)
+    cfg = AttentionConfig.from_hf_config(ck.config)
+    text = _text_config(ck.config)
+    types = text.get("layer_types")
+    if not types:
+        return cfg
+    if len(types) != ck.num_layers:
+        raise ValueError(f"config.json: layer_types has {len(types)} entries, expected "
+                         f"num_hidden_layers={ck.num_layers}")
+    match types[layer]:
+        case "full_attention":
+            return cfg.replace(sliding_window=None)
+        case "sliding_attention":
+            window = text.get("sliding_window")
+            if not window:
+                raise ValueError(f"config.json: layer {layer} is a sliding_attention layer, but "
+                                 f"sliding_window is {window!r}")
+            return cfg.replace(sliding_window=window)
+        case "linear_attention":
+            raise ValueError(f"layer {layer} has no full attention: layer_types[{layer}] is "
+                             f"'linear_attention' (a linear-attention layer); full-attention "
+                             f"layers: {[i for i, t in enumerate(types) if t == 'full_attention']}")
+        case other:
+            raise ValueError(f"config.json: layer_types[{layer}] is {other!r}, expected "
+                             "'full_attention', 'sliding_attention' or 'linear_attention'")
+
+
+def load_attention_layer(path: str | os.PathLike | Checkpoint, layer: int) -> AttentionParams:
+    """AttentionParams of decoder layer ``layer`` of an HF directory (``self_attn.*``), each
+    projection in the format it is stored in (``config.weight_format``: q_proj's), arrays in
+    the checkpoint's dtype. Reads only that layer's tensors."""
+    ck = path if isinstance(path, Checkpoint) else Checkpoint(path)
+    prefix = f"{ck.layer(layer)}self_attn."
+    cfg = attention_config(ck, layer)
+    try:
+        return from_hf_tensors(ck.get, prefix, cfg, has=ck.has)
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise ValueError(f"{prefix}: checkpoint disagrees with config.json: {e}") from None

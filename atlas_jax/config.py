@@ -517,22 +517,27 @@ class AttentionConfig:
 
     @classmethod
     def from_hf_config(cls, d: Mapping[str, Any]) -> AttentionConfig:
-        """The (full-)attention layer config from an HF ``config.json`` dict."""
+        """The (full-)attention layer config from an HF ``config.json`` dict.
+
+        ``weight_format`` stays BF16: quantization configs exclude modules (attention is often
+        kept unquantized), so the loader takes each weight's format from the stored tensors
+        (``atlas_jax.checkpoint.load_attention_layer``). An FP8 ``quantization_config`` sets
+        ``fp8_block`` (its ``weight_block_size``)."""
         text = _text_config(d)
-        parse = _ATTENTION_PARSERS.get(text.get("model_type", ""))
+        model_type = _model_type(d)
+        parse = _ATTENTION_PARSERS.get(model_type)
         if parse is None:
-            reason = _ATTENTION_UNSUPPORTED.get(text.get("model_type", ""))
+            reason = _ATTENTION_UNSUPPORTED.get(model_type)
             if reason:
                 raise NotImplementedError(
-                    f"model_type {text['model_type']!r}: {reason}; supported attention model "
+                    f"model_type {model_type!r}: {reason}; supported attention model "
                     f"types: {', '.join(sorted(_ATTENTION_PARSERS))}")
-            raise _unknown_model_type(text, _ATTENTION_PARSERS)
+            raise _unknown_model_type(d, _ATTENTION_PARSERS)
         cfg = parse(_Keys(text))
-        fields = _format_fields(d)
-        fmt = fields.get("expert_format")
-        if not (fmt and _quantizes_attention(d)):
-            return cfg
-        return cfg.replace(weight_format=fmt, fp8_block=fields.get("fp8_block", cfg.fp8_block))
+        q = _quantization_config(d)
+        if q.get("quant_method") == "fp8":
+            cfg = cfg.replace(fp8_block=_fp8_block(q))
+        return cfg
 
 
 # ----------------------------------------------------------------------------------------------
@@ -624,9 +629,18 @@ def _unknown_model_type(d: Mapping[str, Any], parsers: Mapping[str, Any] | None 
 QUANT_METHODS = ("modelopt", "compressed-tensors", "fp8", "mxfp4")
 
 
+def _quantization_config(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    return d.get("quantization_config") or _text_config(d).get("quantization_config") or {}
+
+
+def _fp8_block(q: Mapping[str, Any]) -> tuple[int, int]:
+    """The FP8 weight block of an ``fp8`` quantization_config (default 128 x 128)."""
+    return tuple(q.get("weight_block_size") or (128, 128))
+
+
 def _format_fields(d: Mapping[str, Any]) -> dict[str, Any]:
     """expert_format (and fp8_block) from ``quantization_config``; {} when unquantized."""
-    q = d.get("quantization_config") or _text_config(d).get("quantization_config")
+    q = _quantization_config(d)
     if not q:
         return {}
     method = q.get("quant_method")
@@ -643,19 +657,12 @@ def _format_fields(d: Mapping[str, Any]) -> dict[str, Any]:
                     f"compressed-tensors format {fmt!r} (supported: 'nvfp4-pack-quantized')")
             return {"expert_format": Format.NVFP4}
         case "fp8":
-            block = tuple(q.get("weight_block_size") or (128, 128))
-            return {"expert_format": Format.FP8_BLOCK, "fp8_block": block}
+            return {"expert_format": Format.FP8_BLOCK, "fp8_block": _fp8_block(q)}
         case "mxfp4":
             return {"expert_format": Format.MXFP4}
         case _:
             raise ValueError(
                 f"unsupported quant_method {method!r}; supported: {', '.join(QUANT_METHODS)}")
-
-
-def _quantizes_attention(d: Mapping[str, Any]) -> bool:
-    """Whether the checkpoint's quantization covers the attention projections."""
-    q = d.get("quantization_config") or {}
-    return q.get("quant_method") in ("fp8",)  # gpt-oss MXFP4 and NVFP4 MoE exports keep bf16
 
 
 def _model_router_dtype(k: _Keys) -> str:
@@ -849,18 +856,6 @@ def _mixtral_attention(k: _Keys) -> AttentionConfig:
     )
 
 
-def _minimax_attention(k: _Keys) -> AttentionConfig:
-    return AttentionConfig(
-        hidden_size=k["hidden_size"],
-        num_heads=k["num_attention_heads"],
-        num_kv_heads=k["num_key_value_heads"],
-        head_dim=_head_dim(k),
-        qk_norm=bool(k.get("use_qk_norm", True)),
-        rms_norm_eps=k.get("rms_norm_eps", 1e-6),
-        rope=RopeConfig.from_hf_config(k.d),
-    )
-
-
 def _gpt_oss_attention(k: _Keys) -> AttentionConfig:
     return AttentionConfig(
         hidden_size=k["hidden_size"],
@@ -882,7 +877,6 @@ _ATTENTION_PARSERS: dict[str, Callable[[_Keys], AttentionConfig]] = {
     "qwen2_moe": _qwen_attention,
     "qwen3_next": _qwen_attention,
     "mixtral": _mixtral_attention,
-    "minimax_m2": _minimax_attention,
     "gpt_oss": _gpt_oss_attention,
 }
 
@@ -892,4 +886,7 @@ _ATTENTION_UNSUPPORTED = {
     "deepseek_v4": "its compressed/latent attention is not Qwen3-style attention",
     "longcat_flash": "multi-head latent attention (MLA) is not Qwen3-style attention",
     "gemma4": "Gemma-4 attention (sliding/global layer mix, value norm) is not implemented",
+    "gemma4_text": "Gemma-4 attention (sliding/global layer mix, value norm) is not implemented",
+    "minimax_m2": "MiniMax-M2 RMS-normalizes q and k over the whole projection (q_norm over "
+                  "num_heads*head_dim, before the head reshape), not per head",
 }

@@ -728,20 +728,30 @@ def test_rms_norm(style):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", [Format.FP8_BLOCK, Format.NVFP4])
+def stored_linear(qt) -> dict[str, np.ndarray]:
+    """A [N, K] QTensor as a checkpoint stores it: {tensor suffix: array}."""
+    match qt.format:
+        case Format.BF16:
+            return {"weight": np.asarray(qt.data)}
+        case Format.FP8_BLOCK:
+            return {"weight": np.asarray(qt.data), "weight_scale_inv": np.asarray(qt.scale)}
+        case Format.NVFP4:  # ModelOpt
+            return {"weight": np.asarray(qt.data), "weight_scale": np.asarray(qt.scale),
+                    "weight_scale_2": np.asarray(qt.global_scale)[0]}
+        case Format.MXFP4:  # gpt-oss blocks
+            return {"weight_blocks": np.asarray(qt.data).reshape(qt.shape[0], -1, 16),
+                    "weight_scales": np.asarray(qt.scale)}
+
+
+@pytest.mark.parametrize("fmt", [Format.FP8_BLOCK, Format.NVFP4, Format.MXFP4])
 def test_from_hf_tensors_quantized(fmt):
+    """Each stored format loads as stored (told apart by the tensors present)."""
     cfg = cfg_of(weight_format=fmt, fp8_block=(32, 32), qkv_bias=True)
     p = _init(jax.random.key(0), cfg, dtype=None)
     pre = "layers.0.self_attn."
     tensors = {}
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        qt = getattr(p, name)
-        tensors[f"{pre}{name}.weight"] = np.asarray(qt.data)
-        if fmt is Format.FP8_BLOCK:
-            tensors[f"{pre}{name}.weight_scale_inv"] = np.asarray(qt.scale)
-        else:
-            tensors[f"{pre}{name}.weight_scale"] = np.asarray(qt.scale)
-            tensors[f"{pre}{name}.weight_scale_2"] = np.asarray(qt.global_scale)[0]
+        tensors.update({f"{pre}{name}.{t}": a for t, a in stored_linear(getattr(p, name)).items()})
     for name in ("q", "k", "v"):
         tensors[f"{pre}{name}_proj.bias"] = np.asarray(getattr(p, f"{name}_bias"))
     tensors[f"{pre}q_norm.weight"] = np.asarray(p.q_norm)
@@ -876,8 +886,10 @@ def test_cache_and_params_errors():
                           config=cfg_of(weight_format="nvfp4"))
     with pytest.raises(TypeError, match="config must be an AttentionConfig"):
         A.AttentionParams(*w, q_norm=p.q_norm, k_norm=p.k_norm)
-    with pytest.raises(NotImplementedError, match="attention weights in mxfp4"):
-        A.from_hf_tensors(lambda n: None, "", cfg_of(weight_format="mxfp4"))
+    with pytest.raises(NotImplementedError, match="q_proj.weight is float8_e4m3fn without "
+                                                  "q_proj.weight_scale_inv"):
+        A.from_hf_tensors({"q_proj.weight": np.zeros((HQ * D, H), jnp.float8_e4m3fn)}.__getitem__,
+                          "", cfg)
     with pytest.raises(ValueError, match=r"PagedKVCache.write: expected slots \[T\] and k, v"):
         fresh(cfg).write(jnp.zeros((2,), jnp.int32), jnp.zeros((2, HK, 8)), jnp.zeros((2, HK, 8)))
     with pytest.raises(ValueError, match=r"paged_attention: q_pos must be \[1, 2\]"):

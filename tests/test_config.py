@@ -237,7 +237,8 @@ def test_gpt_oss():
 
 def test_attention_bias_rules_and_fp8_block():
     """Qwen3 family: o_proj bias = attention_bias (as q/k/v); Qwen2-MoE: qkv_bias (default on),
-    o_proj never; an FP8 quantization_config sets weight_format and fp8_block."""
+    o_proj never; an FP8 quantization_config sets fp8_block, not weight_format (the loader
+    reads each weight's format from the stored tensors: attention is often left unquantized)."""
     q3 = dict(HF_CONFIGS["qwen3"])
     for bias in (False, True):
         a = aj.AttentionConfig.from_hf_config({**q3, "attention_bias": bias})
@@ -248,7 +249,7 @@ def test_attention_bias_rules_and_fp8_block():
     assert not aj.AttentionConfig.from_hf_config({**q2, "qkv_bias": False}).qkv_bias
     fp8 = {**q3, "quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 32]}}
     a = aj.AttentionConfig.from_hf_config(fp8)
-    assert a.weight_format is C.Format.FP8_BLOCK and a.fp8_block == (64, 32)
+    assert a.weight_format is C.Format.BF16 and a.fp8_block == (64, 32)
     assert aj.AttentionConfig.from_hf_config(q3).fp8_block == (128, 128)
     with pytest.raises(ValueError, match=r"AttentionConfig.fp8_block=\(0, 128\)"):
         aj.AttentionConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -280,6 +281,11 @@ def test_minimax_m2():
     c = aj.MoEConfig.from_hf_config(d)
     assert c.scoring is C.RouterScoring.SIGMOID and c.selection_bias and c.norm_topk_prob
     assert c.routed_scaling_factor == 1.0 and c.num_experts == d["num_local_experts"]
+    # q_norm / k_norm are RMSNorms over the whole projection, not per head: not implemented.
+    with pytest.raises(NotImplementedError, match=r"model_type 'minimax_m2': MiniMax-M2 "
+                                                  r"RMS-normalizes q and k over the whole "
+                                                  r"projection .* not per head"):
+        aj.AttentionConfig.from_hf_config(d)
 
 
 def test_deepseek_v4_hash_layers():
@@ -308,6 +314,11 @@ def test_gemma4_text_config():
         **d, "enable_moe_block": False}
     with pytest.raises(ValueError, match="enable_moe_block"):
         aj.MoEConfig.from_hf_config(off)
+    # Attention: the wrapper's model_type (and a bare text part's) names the reason.
+    for cfg, model_type in ((d, d["model_type"]), (t, t["model_type"])):
+        with pytest.raises(NotImplementedError,
+                           match=rf"model_type '{model_type}': Gemma-4 attention"):
+            aj.AttentionConfig.from_hf_config(cfg)
 
 
 def test_unknown_model_type_lists_supported():

@@ -280,16 +280,6 @@ class PagedKVCache:
 # ---- value checks (host side) -------------------------------------------------------------------
 
 
-def host_check(check: Callable[..., None], *arrays: jax.Array) -> None:
-    """Run ``check(*numpy arrays)`` now when the arrays are concrete, or at run time from a host
-    callback under ``jax.jit`` (as ``atlas_jax.moe.routing.check_in_range``). ``check`` raises
-    ValueError; under jit it surfaces as a runtime error carrying the same message."""
-    if any(isinstance(a, jax.core.Tracer) for a in arrays):
-        jax.debug.callback(lambda *a: check(*map(np.asarray, a)), *arrays)
-    else:
-        check(*map(np.asarray, arrays))
-
-
 def check_tables(block_tables, start, end, page_size: int, num_pages: int, what: str) -> None:
     """Values of one write + attend step, on the host (numpy):
 

@@ -29,7 +29,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from atlas_jax.attention.kv_cache import PagedKVCache, check_tables, host_check
+from atlas_jax._checks import host_check
+from atlas_jax.attention.kv_cache import PagedKVCache, check_tables
 from atlas_jax.attention.norm import rms_norm
 from atlas_jax.attention.params import AttentionParams
 from atlas_jax.attention.rope import apply_rope, rope_cos_sin

@@ -11,17 +11,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from atlas_jax._safetensors import CheckpointError
 from atlas_jax.config import AttentionConfig, Format, NormStyle
 from atlas_jax.quant import QTensor, quantize
+from atlas_jax.quant.stored import linear_from_tensors
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionParams:
     """Weights of one attention layer (H hidden, Hq query heads, Hk kv heads, D head_dim,
-    Nq = config.q_proj_rows). Weights are ``[out, in]`` QTensors in ``config.weight_format``;
-    optional arrays are present exactly when the config asks for them (checked on
-    construction)."""
+    Nq = config.q_proj_rows). Weights are ``[out, in]`` QTensors, q_proj in
+    ``config.weight_format``; k/v/o carry their own format (a checkpoint may store them
+    otherwise: each is loaded as stored). Optional arrays are present exactly when the config
+    asks for them (checked on construction)."""
 
     q_proj: QTensor  # [Nq, H] per head [q_h | gate_h] when the config has an output gate
     k_proj: QTensor  # [Hk*D, H]
@@ -60,7 +63,7 @@ class AttentionParams:
             if not isinstance(qt, QTensor):
                 raise TypeError(f"AttentionParams.{name}: expected a QTensor, "
                                 f"got {type(qt).__name__}")
-            if qt.format is not cfg.weight_format:
+            if name == "q_proj" and qt.format is not cfg.weight_format:
                 raise ValueError(f"AttentionParams.{name}: config says format "
                                  f"{cfg.weight_format.value}, the QTensor is {qt.format.value}")
 
@@ -108,40 +111,29 @@ def init_params(key: jax.Array, cfg: AttentionConfig, *, dtype=jnp.bfloat16) -> 
     return AttentionParams(**fields, config=cfg)
 
 
-def from_hf_tensors(get: Callable[[str], np.ndarray], prefix: str,
-                    cfg: AttentionConfig) -> AttentionParams:
+def from_hf_tensors(get: Callable[[str], np.ndarray], prefix: str, cfg: AttentionConfig,
+                    has: Callable[[str], bool] | None = None) -> AttentionParams:
     """Params from transformers' state-dict names under ``prefix`` (e.g.
     ``"model.layers.3.self_attn."``): ``q_proj.weight`` / ``.bias`` (likewise k, v, o),
     ``q_norm.weight``, ``k_norm.weight``, ``sinks``.
 
-    ``get(name)`` returns the array (numpy or ml_dtypes). Weights by ``cfg.weight_format``:
-    BF16 ``weight`` (kept in its float dtype); FP8_BLOCK ``weight`` + ``weight_scale_inv``
-    (block ``cfg.fp8_block``); NVFP4 ModelOpt ``weight`` + ``weight_scale`` +
-    ``weight_scale_2``. Qwen3-Next's q_proj already holds ``[q_h | gate_h]`` per head.
+    ``get(name)`` returns the array (numpy or ml_dtypes); ``has(name)`` whether it is stored
+    (None: whether ``get`` succeeds, i.e. raises no KeyError / CheckpointError). Each projection
+    is read in the format it is stored in (``atlas_jax.quant.stored``: BF16 float ``weight``,
+    FP8_BLOCK ``weight`` + ``weight_scale_inv`` with block ``cfg.fp8_block``, NVFP4 ModelOpt or
+    compressed-tensors, MXFP4 ``weight_blocks`` + ``weight_scales``); the returned config's
+    ``weight_format`` is q_proj's. Qwen3-Next's q_proj already holds ``[q_h | gate_h]`` per head.
     """
-    def weight(name: str) -> QTensor:
-        base = f"{prefix}{name}."
-        match cfg.weight_format:
-            case Format.BF16:
-                return quantize(jnp.asarray(get(base + "weight")), Format.BF16, dtype=None)
-            case Format.FP8_BLOCK:
-                return QTensor.from_fp8_block(get(base + "weight"), get(base + "weight_scale_inv"),
-                                              block_size=cfg.fp8_block)
-            case Format.NVFP4:
-                return QTensor.from_nvfp4_modelopt(get(base + "weight"), get(base + "weight_scale"),
-                                                   get(base + "weight_scale_2"))
-            case fmt:
-                raise NotImplementedError(f"attention weights in {fmt.value}: no checkpoint "
-                                          "ships them (supported: bf16, fp8_block, nvfp4)")
+    if has is None:
+        has = _succeeds(get)
 
     def array(name: str, needed: bool) -> jax.Array | None:
         return jnp.asarray(get(prefix + name)) if needed else None
 
+    weights = {name: linear_from_tensors(get, has, prefix + name, cfg.fp8_block)
+               for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
     return AttentionParams(
-        q_proj=weight("q_proj"),
-        k_proj=weight("k_proj"),
-        v_proj=weight("v_proj"),
-        o_proj=weight("o_proj"),
+        **weights,
         q_bias=array("q_proj.bias", cfg.qkv_bias),
         k_bias=array("k_proj.bias", cfg.qkv_bias),
         v_bias=array("v_proj.bias", cfg.qkv_bias),
@@ -149,5 +141,17 @@ def from_hf_tensors(get: Callable[[str], np.ndarray], prefix: str,
         q_norm=array("q_norm.weight", cfg.qk_norm),
         k_norm=array("k_norm.weight", cfg.qk_norm),
         sinks=array("sinks", cfg.sinks),
-        config=cfg,
+        config=cfg.replace(weight_format=weights["q_proj"].format),
     )
+
+
+def _succeeds(get: Callable[[str], np.ndarray]) -> Callable[[str], bool]:
+    """``has(name)``: whether ``get(name)`` returns (KeyError / CheckpointError: missing)."""
+    def has(name: str) -> bool:
+        try:
+            get(name)
+        except (KeyError, CheckpointError):
+            return False
+        return True
+
+    return has

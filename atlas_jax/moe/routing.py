@@ -21,6 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from atlas_jax._checks import check_in_range
 from atlas_jax.config import MoEConfig, RouterScoring
 from atlas_jax.moe.params import MoEParams
 
@@ -88,25 +89,6 @@ def hash_expert_ids(tid2eid: jax.Array, token_ids: jax.Array) -> jax.Array:
     """Expert ids from the hash table (DeepSeek-V4 hash layers)."""  # [V, k], [T] -> [T, k]
     check_in_range(token_ids, tid2eid.shape[0], "token_ids", "the hash table's vocabulary")
     return jnp.take(tid2eid, token_ids, axis=0).astype(jnp.int32)
-
-
-def check_in_range(values: jax.Array, hi: int, name: str, what: str) -> None:
-    """Raise ValueError if any value is outside [0, hi): eagerly when the values are concrete,
-    at run time (from a host callback) under ``jax.jit``."""
-
-    def check(v):
-        import numpy as np
-
-        v = np.asarray(v)
-        bad = (v < 0) | (v >= hi)
-        if bad.any():
-            raise ValueError(f"{name}: {int(bad.sum())} value(s) outside [0, {hi}) ({what}); "
-                             f"first bad value {int(v[bad].reshape(-1)[0])}")
-
-    if isinstance(values, jax.core.Tracer):
-        jax.debug.callback(check, values)
-    else:
-        check(values)
 
 
 # -- the router ----------------------------------------------------------------------------------
