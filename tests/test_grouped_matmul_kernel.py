@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from jax._src import mesh as mesh_lib
 
+from pallas_kernels._device import device_sm_count
 from pallas_kernels.grouped_matmul.config import (
     Activation,
     ActivationQuant,
@@ -27,7 +28,6 @@ from pallas_kernels.grouped_matmul.config import (
     TileConfig,
     WeightFormat,
     choose_tile_config,
-    device_sm_count,
 )
 from pallas_kernels.grouped_matmul.kernel import (
     _e2m1_to_f32,

@@ -47,13 +47,18 @@ def loaded():
 def test_routing_matches_transformers(loaded, name, golden):
     params, g = loaded(name, golden)
     r = aj.moe.route(params, jnp.asarray(g["x"]), token_ids=g.get("token_ids"))
-    # Some HF routers use topk(sorted=False): compare per token, sorted by expert id.
+    assert_routing_equal(r, g)
+
+
+def assert_routing_equal(r, golden) -> None:
+    """Our Routing equals transformers' expert_ids / weights; some HF routers use
+    topk(sorted=False), so compare per token, sorted by expert id."""
     order_ours = np.argsort(np.asarray(r.expert_ids), axis=1)
-    order_hf = np.argsort(g["expert_ids"], axis=1)
+    order_hf = np.argsort(golden["expert_ids"], axis=1)
     ids = np.take_along_axis(np.asarray(r.expert_ids), order_ours, 1)
-    np.testing.assert_array_equal(ids, np.take_along_axis(g["expert_ids"], order_hf, 1))
+    np.testing.assert_array_equal(ids, np.take_along_axis(golden["expert_ids"], order_hf, 1))
     np.testing.assert_allclose(np.take_along_axis(np.asarray(r.weights), order_ours, 1),
-                               np.take_along_axis(g["weights"], order_hf, 1), rtol=1e-5,
+                               np.take_along_axis(golden["weights"], order_hf, 1), rtol=1e-5,
                                atol=1e-7)
 
 

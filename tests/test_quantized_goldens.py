@@ -15,6 +15,7 @@ import pytest
 
 import atlas_jax as aj
 from atlas_jax.config import Format
+from tests.test_moe_goldens import assert_routing_equal
 
 FIXTURES = Path(__file__).parent / "fixtures" / "moe_quantized"
 NAMES = sorted(d.name for d in FIXTURES.iterdir() if (d / "golden.npz").is_file())
@@ -60,15 +61,7 @@ def test_loads_in_quantized_format(loaded, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_routing_matches_transformers(loaded, name):
     params, g = loaded(name)
-    r = aj.moe.route(params, jnp.asarray(g["x"]))
-    # Some HF routers use topk(sorted=False): compare per token, sorted by expert id.
-    order_ours = np.argsort(np.asarray(r.expert_ids), axis=1)
-    order_hf = np.argsort(g["expert_ids"], axis=1)
-    ids = np.take_along_axis(np.asarray(r.expert_ids), order_ours, 1)
-    np.testing.assert_array_equal(ids, np.take_along_axis(g["expert_ids"], order_hf, 1))
-    np.testing.assert_allclose(np.take_along_axis(np.asarray(r.weights), order_ours, 1),
-                               np.take_along_axis(g["weights"], order_hf, 1), rtol=1e-5,
-                               atol=1e-7)
+    assert_routing_equal(aj.moe.route(params, jnp.asarray(g["x"])), g)
 
 
 @pytest.mark.parametrize("path", ["prefill", "decode"])

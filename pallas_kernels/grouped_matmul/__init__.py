@@ -5,6 +5,7 @@
 ``TileConfig`` of ``config``.
 """
 
+from pallas_kernels._device import device_kind, device_sm_count
 from pallas_kernels.grouped_matmul.config import (
     Activation,
     ActivationQuant,
@@ -12,8 +13,6 @@ from pallas_kernels.grouped_matmul.config import (
     TileConfig,
     WeightFormat,
     choose_tile_config,
-    device_kind,
-    device_sm_count,
 )
 from pallas_kernels.grouped_matmul.kernel import grouped_matmul, make_tile_table, max_num_tiles
 from pallas_kernels.grouped_matmul.reference import (

@@ -11,8 +11,6 @@ import dataclasses
 import enum
 import math
 
-import jax
-
 # Elements of K that share one scale, per format (fixed by the formats themselves).
 NVFP4_GROUP = 16  # one E4M3 scale per 16 E2M1 values along K
 MXFP4_GROUP = 32  # one E8M0 scale per 32 E2M1 values along K
@@ -143,19 +141,6 @@ class TileConfig:
             )
 
 
-def device_sm_count() -> int | None:
-    """Multiprocessor count of the default device, or None when it is not a GPU."""
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
-        return None
-    count = getattr(dev, "core_count", None)
-    return int(count) if count else None
-
-
-def device_kind() -> str | None:
-    """``device_kind`` of the default device (e.g. 'NVIDIA H200'), or None when not a GPU."""
-    dev = jax.devices()[0]
-    return dev.device_kind if dev.platform == "gpu" else None
 
 
 def _shared_memory_budget(kind: str | None) -> int:

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._device import device_kind, device_sm_count
 from pallas_kernels.grouped_matmul.config import (
     FP8_ACT_GROUP,
     MXFP4_GROUP,
@@ -51,8 +52,6 @@ from pallas_kernels.grouped_matmul.config import (
     TileConfig,
     WeightFormat,
     choose_tile_config,
-    device_kind,
-    device_sm_count,
 )
 from pallas_kernels.grouped_matmul.reference import (
     GPT_OSS_ALPHA,

@@ -5,11 +5,11 @@
 ``KVDtype`` enum and the ``DecodeConfig`` of ``config``.
 """
 
+from pallas_kernels._device import device_sm_count
 from pallas_kernels.paged_attention.config import (
     DecodeConfig,
     KVDtype,
     choose_decode_config,
-    device_sm_count,
     kv_bytes_per_token,
 )
 from pallas_kernels.paged_attention.decode import combine_splits, paged_decode

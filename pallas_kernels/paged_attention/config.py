@@ -12,8 +12,6 @@ import dataclasses
 import enum
 import math
 
-import jax
-
 NVFP4_GROUP = 16  # E2M1 values along D that share one E4M3 scale
 HEAD_DIMS = (64, 128, 256, 512)  # head dims the decode kernel tiles (D is held whole)
 MIN_DOT = 16  # smallest tl.dot extent along M, N and K
@@ -125,14 +123,6 @@ class DecodeConfig:
                 f"[{MIN_DOT}, 1024] (tl.dot extents)"
             )
 
-
-def device_sm_count() -> int | None:
-    """Multiprocessor count of the default device, or None when it is not a GPU."""
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
-        return None
-    count = getattr(dev, "core_count", None)
-    return int(count) if count else None
 
 
 def choose_decode_config(

@@ -59,6 +59,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._device import device_sm_count
 from pallas_kernels.paged_attention.config import (
     HEAD_DIMS,
     MIN_DOT,
@@ -66,7 +67,6 @@ from pallas_kernels.paged_attention.config import (
     DecodeConfig,
     KVDtype,
     choose_decode_config,
-    device_sm_count,
 )
 
 LOG2E = math.log2(math.e)

@@ -1,0 +1,20 @@
+"""What the kernels' heuristics ask of the device (None where it is not a GPU)."""
+
+from __future__ import annotations
+
+import jax
+
+
+def device_sm_count() -> int | None:
+    """Multiprocessor count of the default device, or None when it is not a GPU."""
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        return None
+    count = getattr(dev, "core_count", None)
+    return int(count) if count else None
+
+
+def device_kind() -> str | None:
+    """``device_kind`` of the default device (e.g. 'NVIDIA H200'), or None when not a GPU."""
+    dev = jax.devices()[0]
+    return dev.device_kind if dev.platform == "gpu" else None
