@@ -97,6 +97,7 @@ def attention_step(
     n_valid: jax.Array,  # [B] tokens of each row that are real (the rest is padding)
     positions: jax.Array | None,  # RoPE positions [B, S] / [3, B, S] (None: start + s)
     kernels: KernelConfig | None,
+    decode: bool = False,  # every row holds S real tokens ending at start + S (a decode step)
 ) -> tuple[jax.Array, PagedKVCache]:
     """Steps 1-6 of the module docstring, no checks. Padding rows give 0 and write nothing."""
     cfg = params.config
@@ -111,14 +112,15 @@ def attention_step(
     cache = cache.write(slots, k.reshape(b * s, kh, -1), v.reshape(b * s, kh, -1))
     attn = paged_attention(q, cache, block_tables, q_pos, scale=cfg.softmax_scale,
                            sliding_window=cfg.sliding_window, logit_softcap=cfg.logit_softcap,
-                           sinks=params.sinks, kernels=kernels)  # [B, S, Hq, D] f32
+                           sinks=params.sinks, seq_lens=start + s if decode else None,
+                           kernels=kernels)  # [B, S, Hq, D] f32
     attn = apply_output_gate(attn, gate, cfg.output_gate).reshape(b, s, -1)
     y = linear(attn.astype(compute_dtype(x)), params.o_proj, params.o_bias)  # [B, S, H]
     return jnp.where(valid[..., None], y, 0.0).astype(x.dtype), cache
 
 
 # One compiled program per (config, shapes, cache dtype, kernels); inlined under an outer jit.
-_attention_step = jax.jit(attention_step, static_argnames=("kernels",))
+_attention_step = jax.jit(attention_step, static_argnames=("kernels", "decode"))
 
 
 # ---- the public entry points --------------------------------------------------------------------
@@ -175,7 +177,7 @@ def decode(
     if b == 0:
         return jnp.zeros_like(x), cache
     return _attention_step(params, x, cache, block_tables, seq - q, jnp.full((b,), q, jnp.int32),
-                           positions, kernels=kernels)
+                           positions, kernels=kernels, decode=True)
 
 
 # ---- checks -------------------------------------------------------------------------------------

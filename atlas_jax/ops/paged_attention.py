@@ -11,8 +11,11 @@ sink). Slots no query sees (unused table entries, positions past the queries) ma
 NaN included: they never reach the output.
 
 The "xla" implementation is the plain-jnp reference: gather each sequence's pages,
-dequantize, logits and softmax in float32 (HIGHEST matmul precision). The "pallas" kernel comes
-in a later issue.
+dequantize, logits and softmax in float32 (HIGHEST matmul precision). The "pallas" one is the
+split-K decode kernel of ``pallas_kernels.paged_attention`` (GQA-packed, KV dequantized in
+registers); it serves decode steps (``seq_lens`` given: the S queries are the last S positions
+of each sequence). There is no Pallas prefill kernel yet: "pallas" raises for a prefill call
+and "auto" uses the reference for it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from atlas_jax.config import Backend, KernelConfig
-from atlas_jax.ops._dispatch import resolve_backend
+from atlas_jax.ops._dispatch import interpret_mode, resolve_backend
 
 if TYPE_CHECKING:
     from atlas_jax.attention.kv_cache import PagedKVCache
@@ -98,17 +101,55 @@ def paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: jax.Array | None = None,  # [Hq]
+    seq_lens: jax.Array | None = None,  # [B] decode: q_pos[b] = seq_lens[b] - S + arange(S)
     kernels: KernelConfig | None = None,
 ) -> jax.Array:  # [B, S, Hq, D] float32
     """Attention of ``q`` over the paged cache (semantics in the module docstring)."""
     _check(q, cache, block_tables, q_pos, sinks)
     backend = (kernels or KernelConfig()).paged_attention
-    match resolve_backend("paged_attention", backend, pallas_available=False):
+    op = "paged_attention decode" if seq_lens is not None else "paged_attention prefill"
+    match resolve_backend(op, backend, pallas_available=seq_lens is not None):
         case Backend.XLA:
             return paged_attention_reference(
                 q, cache, block_tables, q_pos, scale=scale, sliding_window=sliding_window,
                 logit_softcap=logit_softcap, sinks=sinks)
-        case backend:
+        case Backend.PALLAS if seq_lens is None:
             raise NotImplementedError(
-                f"paged_attention backend {backend.value!r}: the Pallas paged-attention kernel "
-                "is not written yet (a later issue); use KernelConfig(paged_attention='xla')")
+                "paged_attention: no Pallas prefill kernel yet (the Pallas kernel serves decode "
+                "steps); use KernelConfig(paged_attention='auto' or 'xla') for prefill")
+        case Backend.PALLAS:
+            return paged_attention_pallas(
+                q, cache, block_tables, seq_lens, scale=scale, sliding_window=sliding_window,
+                logit_softcap=logit_softcap, sinks=sinks, kernels=kernels)
+
+
+def paged_attention_pallas(
+    q: jax.Array,  # [B, Q, Hq, D]
+    cache: PagedKVCache,
+    block_tables: jax.Array,  # [B, Pt] int32
+    seq_lens: jax.Array,  # [B] int32: cached tokens plus the Q new ones
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,
+    kernels: KernelConfig | None = None,
+) -> jax.Array:  # [B, Q, Hq, D] float32
+    """The decode kernel over the cache's pages (its scales as they are stored)."""
+    from pallas_kernels.paged_attention import DecodeConfig, paged_decode
+
+    k = kernels or KernelConfig()
+    config = None
+    if k.attn_num_splits is not None or k.attn_block_pages is not None:
+        config = DecodeConfig(pages_per_step=k.attn_block_pages or 8,
+                              num_splits=k.attn_num_splits or 1)
+    if not k.attn_gqa_pack:
+        raise NotImplementedError("paged_attention: the Pallas decode kernel always packs the "
+                                  "query heads of a KV head (attn_gqa_pack=False is not built)")
+    return paged_decode(
+        q, cache.k.data, cache.v.data, block_tables.astype(jnp.int32),
+        seq_lens.astype(jnp.int32), kv_dtype=cache.dtype.value,
+        k_scale=cache.k.scale, v_scale=cache.v.scale,
+        k_global_scale=cache.k.global_scale, v_global_scale=cache.v.global_scale,
+        scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
+        config=config, out_dtype=jnp.float32, interpret=interpret_mode())
