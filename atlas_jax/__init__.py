@@ -2,10 +2,10 @@
 
 Public names (see ../shared/DESIGN.md for the contract): the config dataclasses and ``KVDtype``,
 ``moe_forward``, ``PagedKVCache``, and the submodules ``attention``, ``checkpoint``, ``config``,
-``moe``, ``ops`` and ``quant``.
+``models``, ``moe``, ``ops`` and ``quant``.
 """
 
-from atlas_jax import attention, checkpoint, config, moe, ops, quant
+from atlas_jax import attention, checkpoint, config, models, moe, ops, quant
 from atlas_jax.attention import PagedKVCache
 from atlas_jax.config import AttentionConfig, KernelConfig, KVDtype, MoEConfig, RopeConfig
 from atlas_jax.moe import moe_forward
@@ -20,6 +20,7 @@ __all__ = [
     "MoEConfig",
     "RopeConfig",
     "config",
+    "models",
     "moe",
     "moe_forward",
     "ops",
