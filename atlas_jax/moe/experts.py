@@ -31,30 +31,17 @@ def routed_experts_prefill(params: MoEParams, x: jax.Array, r: Routing,
     return combine(unpermute(y, p), x, r, cfg.num_experts)
 
 
-def routed_experts_decode(params: MoEParams, x: jax.Array, r: Routing) -> jax.Array:
-    """Few tokens: gather the weights of the distinct selected experts only (at most
-    min(E, T*k) of them), run every token through each, pick each pair's row. [T, H] f32 out."""
+def routed_experts_decode(params: MoEParams, x: jax.Array, r: Routing,
+                          kernels: KernelConfig | None = None) -> jax.Array:
+    """Few tokens: read only the distinct selected experts (at most min(E, T*k) of them), once
+    (``ops.moe_decode``: XLA gather+einsum or the Pallas expert-major kernels, by
+    ``kernels.grouped_matmul``), then combine. [T, H] f32 out."""
     cfg = params.config
     t, k = r.expert_ids.shape
-    e = cfg.num_experts
-    u = min(e, t * k)
-    ids = jnp.where(r.expert_ids < e, r.expert_ids, e)  # zero experts -> e (filtered below)
-    uniq = jnp.unique(ids, size=u, fill_value=e)  # [U] sorted, padded with e
-    slot = jnp.searchsorted(uniq, ids)  # [T, k] position of each pair's expert in uniq
-    safe = jnp.minimum(uniq, e - 1)  # padding entries read expert e-1; never selected
-    dtype = compute_dtype(x)
-    xc = x.astype(dtype)
-    gu = dequantize(params.gate_up.take(safe), dtype=dtype)  # [U, 2I, H]
-    h = jnp.einsum("th,unh->utn", xc, gu, preferred_element_type=jnp.float32)  # [U, T, 2I]
-    if params.gate_up_bias is not None:
-        h = h + params.gate_up_bias[safe][:, None, :].astype(jnp.float32)
-    a = gated_activation(h, GateUp.of(cfg)).astype(dtype)  # [U, T, I]
-    dn = dequantize(params.down.take(safe), dtype=dtype)  # [U, H, I]
-    y = jnp.einsum("uti,uhi->uth", a, dn, preferred_element_type=jnp.float32)  # [U, T, H]
-    if params.down_bias is not None:
-        y = y + params.down_bias[safe][:, None, :].astype(jnp.float32)
-    pairs = y[jnp.minimum(slot, u - 1), jnp.arange(t)[:, None]]  # [T, k, H]
-    return combine(pairs.reshape(t * k, -1), x, r, e)
+    pairs = ops.moe_decode(x, r.expert_ids, params.gate_up, params.down,
+                           gate_up_bias=params.gate_up_bias, down_bias=params.down_bias,
+                           epilogue=GateUp.of(cfg), kernels=kernels)  # [T, k, H] f32
+    return combine(pairs.reshape(t * k, -1), x, r, cfg.num_experts)
 
 
 def dense_mlp(x: jax.Array, gate_up: QTensor, down: QTensor, cfg: MoEConfig) -> jax.Array:

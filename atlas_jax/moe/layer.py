@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from atlas_jax.config import KernelConfig, MoEPath
 from atlas_jax.moe.experts import routed_experts_decode, routed_experts_prefill, shared_experts
+from atlas_jax.moe.parallel import moe_forward_parallel
 from atlas_jax.moe.params import MoEParams
 from atlas_jax.moe.routing import check_tokens, rms_normalize, route
 
@@ -24,8 +26,19 @@ def moe_forward(
     *,
     token_ids: jax.Array | None = None,  # [T] or [B, S] int, hash-routing layers only
     kernels: KernelConfig | None = None,
+    mesh: Mesh | None = None,  # expert parallel over this mesh (params from aj.moe.shard)
+    expert_axis: str | None = None,  # mesh only; None: the axis aj.moe.shard used, or "expert"
+    data_axis: str | None = None,  # mesh only; tokens split over (data_axis, expert_axis)
 ) -> jax.Array:  # same shape and dtype as x
-    """One MoE layer: ``y = sum_k w_k * expert_k(x) (+ shared(x))``, float32 accumulation."""
+    """One MoE layer: ``y = sum_k w_k * expert_k(x) (+ shared(x))``, float32 accumulation.
+
+    With ``mesh``: the expert-parallel forward of ``atlas_jax.moe.parallel`` (same result).
+    """
+    if mesh is not None:
+        return moe_forward_parallel(params, x, mesh, expert_axis=expert_axis,
+                                    data_axis=data_axis, token_ids=token_ids, kernels=kernels)
+    if expert_axis is not None or data_axis is not None:
+        raise ValueError("moe_forward: expert_axis / data_axis need mesh=")
     if not isinstance(params, MoEParams):
         raise TypeError(f"moe_forward: params must be MoEParams, got {type(params).__name__}")
     kernels = kernels or KernelConfig()
@@ -40,7 +53,7 @@ def moe_forward(
               ).astype(x.dtype)
     match choose_path(x2.shape[0], kernels):
         case MoEPath.DECODE:
-            y = routed_experts_decode(params, xe, r)
+            y = routed_experts_decode(params, xe, r, kernels)
         case MoEPath.PREFILL:
             y = routed_experts_prefill(params, xe, r, kernels)
     if params.shared_gate_up is not None:

@@ -1,5 +1,6 @@
 """The kernel boundary: each op has an "xla" reference and a "pallas" implementation."""
 
 from atlas_jax.ops.grouped_matmul import grouped_matmul, grouped_matmul_reference
+from atlas_jax.ops.moe_decode import moe_decode, moe_decode_reference
 
-__all__ = ["grouped_matmul", "grouped_matmul_reference"]
+__all__ = ["grouped_matmul", "grouped_matmul_reference", "moe_decode", "moe_decode_reference"]

@@ -1,0 +1,164 @@
+"""MoE decode experts, the kernel boundary of ``moe_forward``'s decode variant.
+
+For a few tokens (decode, MTP verify) each (token, slot) pair ``(t, j)`` with a real expert
+``e = expert_ids[t, j] < E`` gets ``y[t, j] = down[e] @ act(gate_up[e] @ x[t] + b1[e]) + b2[e]``;
+zero-expert pairs (ids >= E, LongCat) come out as 0 (the combine adds their ``w * x``). Both
+implementations read only the distinct selected experts' weights, at most ``min(E, T*k)`` of
+them, with no host sync:
+
+- "xla": gather those experts' weights (``QTensor.take``), dequantize them, run every token
+  through each (two einsums), and pick each pair's row.
+- "pallas" (``pallas_kernels.moe_decode``): expert-major kernels reading each selected expert's
+  quantized weights once, dequantizing in registers, with the gate_up epilogue fused.
+
+The shared expert is not part of this op (``moe.experts.shared_experts`` runs it on the XLA
+path, in its own format).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from atlas_jax.config import Backend, Format, KernelConfig
+from atlas_jax.ops._dispatch import interpret_mode, log, on_gpu, resolve_backend
+from atlas_jax.ops.activation import GateUp, gated_activation
+from atlas_jax.ops.grouped_matmul import compute_dtype
+from atlas_jax.quant import QTensor, dequantize
+
+_said: set[str] = set()
+
+
+def moe_decode_reference(
+    x: jax.Array,  # [T, H]
+    expert_ids: jax.Array,  # [T, k] int32; >= E: zero expert
+    gate_up: QTensor,  # [E, 2I, H]
+    down: QTensor,  # [E, H, I]
+    gate_up_bias: jax.Array | None = None,  # [E, 2I]
+    down_bias: jax.Array | None = None,  # [E, H]
+    epilogue: GateUp | None = None,
+) -> jax.Array:  # [T, k, H] float32
+    """Gather the distinct selected experts (at most min(E, T*k)), run every token through each,
+    pick each pair's row."""
+    epilogue = epilogue or GateUp()
+    t, k = expert_ids.shape
+    e = gate_up.shape[0]
+    u = min(e, t * k)
+    ids = jnp.where(expert_ids < e, expert_ids, e)  # zero experts -> e (filtered below)
+    uniq = jnp.unique(ids, size=u, fill_value=e)  # [U] sorted, padded with e
+    slot = jnp.searchsorted(uniq, ids)  # [T, k] position of each pair's expert in uniq
+    safe = jnp.minimum(uniq, e - 1)  # padding entries read expert e-1; never selected
+    dtype = compute_dtype(x)
+    xc = x.astype(dtype)
+    gu = dequantize(gate_up.take(safe), dtype=dtype)  # [U, 2I, H]
+    h = jnp.einsum("th,unh->utn", xc, gu, preferred_element_type=jnp.float32)  # [U, T, 2I]
+    if gate_up_bias is not None:
+        h = h + gate_up_bias[safe][:, None, :].astype(jnp.float32)
+    a = gated_activation(h, epilogue).astype(dtype)  # [U, T, I]
+    dn = dequantize(down.take(safe), dtype=dtype)  # [U, H, I]
+    y = jnp.einsum("uti,uhi->uth", a, dn, preferred_element_type=jnp.float32)  # [U, T, H]
+    if down_bias is not None:
+        y = y + down_bias[safe][:, None, :].astype(jnp.float32)
+    pairs = y[jnp.minimum(slot, u - 1), jnp.arange(t)[:, None]]  # [T, k, H]
+    return jnp.where((expert_ids < e)[..., None], pairs, 0.0)
+
+
+def unsupported_reason(gate_up: QTensor, down: QTensor) -> str | None:
+    """Why the Pallas decode kernels cannot run these weights, or None when they can."""
+    if gate_up.format is not down.format:
+        return (f"gate_up is {gate_up.format.value} but down is {down.format.value} (the kernels "
+                "take one format)")
+    if gate_up.format is Format.FP8_BLOCK:
+        if gate_up.block != down.block:
+            return f"FP8 blocks differ: gate_up {gate_up.block}, down {down.block}"
+        if math.gcd(gate_up.block[1], 128) < 16:
+            return (f"FP8 block along K {gate_up.block[1]} has no power-of-two divisor >= 16 "
+                    "(the kernels' K step)")
+    return None
+
+
+def moe_decode_pallas(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    gate_up: QTensor,
+    down: QTensor,
+    gate_up_bias: jax.Array | None = None,
+    down_bias: jax.Array | None = None,
+    epilogue: GateUp | None = None,
+) -> jax.Array:  # [T, k, H] float32
+    from pallas_kernels.moe_decode import moe_decode_pairs
+
+    reason = unsupported_reason(gate_up, down)
+    if reason is not None:
+        raise NotImplementedError(f"moe_decode (pallas): {reason}")
+    epilogue = epilogue or GateUp()
+    kw = dict(fmt=gate_up.format.value, activation=epilogue.activation.value,
+              gate_up_layout=epilogue.layout.value, limit=epilogue.limit,
+              interpret=interpret_mode())
+    if gate_up.format is Format.FP8_BLOCK:
+        kw["block_size"] = tuple(gate_up.block)
+    return moe_decode_pairs(
+        x.astype(compute_dtype(x)), expert_ids.astype(jnp.int32), gate_up.data, down.data,
+        gate_up_scale=gate_up.scale, gate_up_global_scale=gate_up.global_scale,
+        gate_up_bias=gate_up_bias, down_scale=down.scale, down_global_scale=down.global_scale,
+        down_bias=down_bias, **kw)
+
+
+def _check(x, expert_ids, gate_up, down, gate_up_bias, down_bias) -> None:
+    for name, w in (("gate_up", gate_up), ("down", down)):
+        if not isinstance(w, QTensor):
+            raise TypeError(f"moe_decode: {name} must be a QTensor, got {type(w).__name__}")
+        if len(w.shape) != 3:
+            raise ValueError(f"moe_decode: {name} must be [E, N, K], got shape {w.shape}")
+    if x.ndim != 2:
+        raise ValueError(f"moe_decode: x must be [T, H], got shape {x.shape}")
+    e, two_i, h = gate_up.shape
+    if x.shape[1] != h or down.shape != (e, h, two_i // 2):
+        raise ValueError(f"moe_decode: x [T, {x.shape[1]}], gate_up {gate_up.shape} and down "
+                         f"{down.shape} must be [T, H], [E, 2I, H], [E, H, I]")
+    if expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"moe_decode: expert_ids must be [{x.shape[0]}, k], got "
+                         f"{expert_ids.shape}")
+    if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise TypeError(f"moe_decode: expert_ids must be integer, got {expert_ids.dtype}")
+    if gate_up_bias is not None and gate_up_bias.shape != (e, two_i):
+        raise ValueError(f"moe_decode: gate_up_bias must be [{e}, {two_i}], got "
+                         f"{gate_up_bias.shape}")
+    if down_bias is not None and down_bias.shape != (e, h):
+        raise ValueError(f"moe_decode: down_bias must be [{e}, {h}], got {down_bias.shape}")
+
+
+def moe_decode(
+    x: jax.Array,  # [T, H]
+    expert_ids: jax.Array,  # [T, k] int; >= E: zero expert
+    gate_up: QTensor,  # [E, 2I, H]
+    down: QTensor,  # [E, H, I]
+    *,
+    gate_up_bias: jax.Array | None = None,  # [E, 2I]
+    down_bias: jax.Array | None = None,  # [E, H]
+    epilogue: GateUp | None = None,  # activation and gate/up layout (default SwiGLU, concat)
+    kernels: KernelConfig | None = None,  # .grouped_matmul picks the implementation
+) -> jax.Array:  # [T, k, H] float32, zero-expert pairs 0
+    """Each (token, slot) pair's routed-expert output, reading only the selected experts.
+
+    ``kernels.grouped_matmul`` chooses: "xla", "pallas" (interpret mode off GPU), or "auto"
+    (Pallas on GPU; the XLA path elsewhere, or when ``unsupported_reason`` names a reason, said
+    once in a log line).
+    """
+    _check(x, expert_ids, gate_up, down, gate_up_bias, down_bias)
+    args = (x, expert_ids, gate_up, down, gate_up_bias, down_bias, epilogue)
+    backend = (kernels or KernelConfig()).grouped_matmul
+    if backend is Backend.AUTO and on_gpu():
+        reason = unsupported_reason(gate_up, down)
+        if reason is not None:
+            if reason not in _said:
+                _said.add(reason)
+                log.info("atlas_jax: moe_decode 'auto' uses the xla implementation (%s)", reason)
+            return moe_decode_reference(*args)
+    match resolve_backend("moe_decode", backend):
+        case Backend.XLA:
+            return moe_decode_reference(*args)
+        case Backend.PALLAS:
+            return moe_decode_pallas(*args)

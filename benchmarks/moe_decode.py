@@ -1,0 +1,373 @@
+"""MoE decode-step benchmark: full jitted ``moe_forward`` decode steps (routing + experts +
+combine) with the Pallas expert-major decode kernels against the ``jax.lax.ragged_dot`` path
+(``grouped_matmul="xla", moe_path="prefill"``) and the XLA gather+einsum decode path
+(``grouped_matmul="xla", moe_path="decode"``), with the HBM copy bandwidth measured in the same
+run.
+
+    python benchmarks/moe_decode.py [--quick] [--shapes ...] [--formats ...] [--tokens ...]
+                                    [--sweep] [--out results.md]
+    python benchmarks/moe_decode.py --tiny      # CPU smoke test: tiny shapes, interpret mode
+
+Columns: ``experts`` distinct selected experts (from the routing of the timed inputs), ``MB``
+their weight bytes (data, scales, biases: the minimum a step must read), ``us`` per step,
+``GB/s`` = MB / us, ``frac_hbm`` = GB/s over the measured copy bandwidth, ``vs_ragged_dot`` and
+``vs_xla_decode`` the speed-ups over the two XLA paths. Each step routes a different set of
+tokens (``ROTATE`` input sets in turn), so consecutive steps select different experts and the
+selected weights do not stay in L2 between steps.
+
+Step 1 checks the kernels on the GPU (kernel vs plain-jnp reference, bf16 and f16 dots, every
+format; moe_forward pallas vs XLA decode); step 2 times; ``--sweep`` also times a few tile
+variants of the kernels alone (routing precomputed) against the heuristic's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import gc
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import atlas_jax as aj  # noqa: E402
+from atlas_jax.config import Format, MoEConfig  # noqa: E402
+from atlas_jax.moe.params import MoEParams  # noqa: E402
+from atlas_jax.quant import QTensor, quantize  # noqa: E402
+from benchmarks._common import hbm_copy_bandwidth, table, time_jax  # noqa: E402
+from pallas_kernels._device import device_kind, device_sm_count  # noqa: E402
+from pallas_kernels.moe_decode import (  # noqa: E402
+    MoEDecodeConfig,
+    choose_decode_config,
+    moe_decode,
+    moe_decode_reference,
+)
+
+SHAPES = {  # name: (H, I, E, k, router / activation of the model)
+    "qwen3-30b-a3b": (2048, 768, 128, 8, dict()),
+    "deepseek-v3": (7168, 2048, 256, 8, dict(
+        scoring="sigmoid", selection_bias=True, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, norm_eps=1e-20)),
+    "gpt-oss-120b": (2880, 2880, 128, 4, dict(
+        scoring="topk_softmax", router_bias=True, activation="gpt_oss", swiglu_limit=7.0,
+        gate_up_layout="interleaved", expert_bias=True)),
+}
+TINY = {"tiny": (64, 64, 8, 2, dict()),
+        "tiny-gpt-oss": (64, 32, 8, 2, SHAPES["gpt-oss-120b"][4])}
+FORMATS = {"bf16": Format.BF16, "fp8": Format.FP8_BLOCK, "nvfp4": Format.NVFP4,
+           "mxfp4": Format.MXFP4}
+TOKENS = (1, 2, 3, 8, 32, 64)
+ROTATE = 8  # input sets per timing loop
+
+PALLAS = aj.KernelConfig(grouped_matmul="pallas", moe_path="decode")
+XLA_DECODE = aj.KernelConfig(grouped_matmul="xla", moe_path="decode")
+RAGGED_DOT = aj.KernelConfig(grouped_matmul="xla", moe_path="prefill")
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------
+
+
+def make_weight(key, g: int, n: int, k: int, fmt: Format, chunk: int = 16) -> QTensor:
+    """Random ``[g, n, k]`` weights in ``fmt``, quantized ``chunk`` experts at a time (the f32
+    intermediates of a whole DeepSeek-V3 stack would not fit next to everything else)."""
+
+    @jax.jit
+    def part(i):
+        w = jax.random.normal(jax.random.fold_in(key, i), (chunk, n, k), jnp.bfloat16)
+        return quantize(w * (k**-0.5), fmt)
+
+    parts = [part(i) for i in range(-(-g // chunk))]
+    q = jax.tree.map(lambda *xs: jnp.concatenate(xs)[:g], *parts)
+    return dataclasses.replace(q, shape=(g, n, k))
+
+
+def make_layer(shape: str, fmt: Format, seed: int = 0) -> MoEParams:
+    h, i, e, k, extra = (SHAPES | TINY)[shape]
+    cfg = MoEConfig(hidden_size=h, intermediate_size=i, num_experts=e, top_k=k,
+                    expert_format=fmt, **extra)
+    keys = jax.random.split(jax.random.key(seed), 8)
+
+    def small(key, shape_, scale, dtype=jnp.bfloat16):
+        return (jax.random.normal(key, shape_, jnp.float32) * scale).astype(dtype)
+
+    return MoEParams(
+        router=small(keys[0], (e, h), h**-0.5),
+        gate_up=make_weight(keys[1], e, 2 * i, h, fmt),
+        down=make_weight(keys[2], e, h, i, fmt),
+        router_bias=small(keys[3], (e,), 0.1) if cfg.router_bias else None,
+        selection_bias=small(keys[4], (e,), 0.1, jnp.float32) if cfg.selection_bias else None,
+        gate_up_bias=small(keys[5], (e, 2 * i), 0.1) if cfg.expert_bias else None,
+        down_bias=small(keys[6], (e, h), 0.1) if cfg.expert_bias else None,
+        config=cfg,
+    )
+
+
+def expert_bytes(params: MoEParams) -> float:
+    """Bytes of one routed expert: gate_up and down data, scales and biases."""
+    total = params.gate_up.nbytes + params.down.nbytes
+    for b in (params.gate_up_bias, params.down_bias):
+        if b is not None:
+            total += b.size * b.dtype.itemsize
+    return total / params.config.num_experts
+
+
+def token_sets(tokens: int, hidden: int, n: int = ROTATE) -> list[jax.Array]:
+    return [jax.random.normal(jax.random.key(100 + j), (tokens, hidden), jnp.bfloat16)
+            for j in range(n)]
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def rotating(fn, params, xs):
+    """A zero-argument step that feeds ``fn`` the next input set each call."""
+    state = {"i": 0}
+
+    def step():
+        state["i"] += 1
+        return fn(params, xs[state["i"] % len(xs)])
+
+    return step
+
+
+# ---------------------------------------------------------------------------------------------
+# step 1: correctness on the device
+# ---------------------------------------------------------------------------------------------
+
+
+def check_correctness(tiny: bool) -> list[dict]:
+    rows = []
+    e, h, inter, t, k = (8, 64, 32, 3, 2) if tiny else (16, 1024, 512, 33, 4)
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(t)]), jnp.int32)
+    ids = ids.at[0, -1].set(e)  # one zero expert
+    weights = jnp.asarray(rng.uniform(size=(t, k)), jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (t, h), jnp.bfloat16)
+    on_gpu = device_sm_count() is not None
+    for name, fmt in FORMATS.items():
+        gu = make_weight(jax.random.key(2), e, 2 * inter, h, fmt)
+        dn = make_weight(jax.random.key(3), e, h, inter, fmt)
+        kw = dict(fmt=fmt.value, gate_up_scale=gu.scale, gate_up_global_scale=gu.global_scale,
+                  down_scale=dn.scale, down_global_scale=dn.global_scale,
+                  activation="gpt_oss", gate_up_layout="interleaved")
+        if fmt is Format.FP8_BLOCK:
+            kw["block_size"] = gu.block
+        ref = moe_decode_reference(x, ids, weights, gu.data, dn.data, **kw)
+        base = choose_decode_config(t, k, e, h, inter, fmt.value, fp8_block=gu.block,
+                                    sm_count=device_sm_count(), device_kind=device_kind())
+        variants = {"heuristic": base}
+        if fmt in (Format.FP8_BLOCK, Format.NVFP4):
+            for f16 in (False, True):
+                variants[f"f16_dot={f16}"] = MoEDecodeConfig(
+                    dataclasses.replace(base.gate_up, f16_dot=f16),
+                    dataclasses.replace(base.down, f16_dot=f16))
+        for label, config in variants.items():
+            out = moe_decode(x, ids, weights, gu.data, dn.data, config=config,
+                             interpret=not on_gpu, **kw)
+            err = rel_err(out, ref)
+            ok = bool(np.isfinite(np.asarray(out)).all()) and err < 1e-2
+            rows.append(dict(check="kernel vs reference", format=name, config=label, T=t,
+                             rel_err=err, ok="yes" if ok else "NO"))
+    shapes = list(TINY) if tiny else ["qwen3-30b-a3b"]
+    for shape in shapes:
+        for name in ("bf16", "nvfp4"):
+            p = make_layer(shape, FORMATS[name])
+            xx = token_sets(8, p.config.hidden_size, 1)[0]
+            f = jax.jit(aj.moe_forward, static_argnames="kernels")
+            err = rel_err(f(p, xx, kernels=PALLAS), f(p, xx, kernels=XLA_DECODE))
+            ok = err < 1e-2
+            rows.append(dict(check=f"moe_forward {shape}", format=name, config="pallas vs xla",
+                             T=8, rel_err=err, ok="yes" if ok else "NO"))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# step 2: timings
+# ---------------------------------------------------------------------------------------------
+
+
+def _time(fn, params, xs, iters):
+    try:
+        return time_jax(rotating(fn, params, xs), iters=iters, repeats=5, warmup=2), None
+    except Exception as err:  # e.g. out of memory: report in the table, do not hide
+        return None, f"{type(err).__name__}: {str(err)[:60]}"
+
+
+def bench(shapes, formats, token_counts, *, hbm: float, iters: int, peers: bool) -> list[dict]:
+    rows = []
+    step = jax.jit(aj.moe_forward, static_argnames="kernels")
+    for shape in shapes:
+        for name in formats:
+            p = make_layer(shape, FORMATS[name])
+            per_expert = expert_bytes(p)
+            for tokens in token_counts:
+                xs = token_sets(tokens, p.config.hidden_size)
+                route = jax.jit(aj.moe.route)
+                distinct = np.mean([len(np.unique(np.asarray(route(p, x).expert_ids)))
+                                    for x in xs])
+                nbytes = distinct * per_expert
+                row = dict(shape=shape, format=name, tokens=tokens, experts=distinct,
+                           MB=nbytes / 1e6)
+                t, err = _time(functools.partial(step, kernels=PALLAS), p, xs, iters)
+                if t is None:
+                    row["us"] = err
+                    rows.append(row)
+                    continue
+                row.update(us=t * 1e6, GBps=nbytes / t / 1e9, frac_hbm=nbytes / t / hbm)
+                if peers:
+                    for label, kc in (("ragged_dot", RAGGED_DOT), ("xla_decode", XLA_DECODE)):
+                        tp, err = _time(functools.partial(step, kernels=kc), p, xs, iters)
+                        row[f"{label}_us"] = tp * 1e6 if tp else err
+                        if tp:
+                            row[f"vs_{label}"] = tp / t
+                rows.append(row)
+                print(table([row], list(row)), flush=True)
+            del p
+            gc.collect()
+    return rows
+
+
+def sweep(shapes, formats, token_counts, *, hbm: float, iters: int) -> list[dict]:
+    """The kernels alone (routing precomputed) with tile variants around the heuristic's."""
+    rows = []
+    for shape in shapes:
+        for name in formats:
+            p = make_layer(shape, FORMATS[name])
+            cfg = p.config
+            per_expert = expert_bytes(p)
+            gu, dn = p.gate_up, p.down
+            static = dict(fmt=gu.format.value, activation=cfg.activation.value,
+                          gate_up_layout=cfg.gate_up_layout.value, limit=cfg.swiglu_limit,
+                          interpret=device_sm_count() is None)
+            if gu.format is Format.FP8_BLOCK:
+                static["block_size"] = gu.block
+            arrays = dict(gate_up_scale=gu.scale, gate_up_global_scale=gu.global_scale,
+                          gate_up_bias=p.gate_up_bias, down_scale=dn.scale,
+                          down_global_scale=dn.global_scale, down_bias=p.down_bias)
+            for tokens in token_counts:
+                xs = token_sets(tokens, cfg.hidden_size)
+                routes = [aj.moe.route(p, x) for x in xs]
+                distinct = np.mean([len(np.unique(np.asarray(r.expert_ids))) for r in routes])
+                base = choose_decode_config(
+                    tokens, cfg.top_k, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size,
+                    gu.format.value, fp8_block=gu.block, sm_count=device_sm_count(),
+                    device_kind=device_kind())
+                for label, config in _variants(base).items():
+                    fn = functools.partial(moe_decode, config=config, **static)  # jitted
+                    run = _kernel_step(fn, xs, routes, gu.data, dn.data, arrays)
+                    try:
+                        t = time_jax(run, iters=iters, repeats=3, warmup=2)
+                    except Exception as err:  # report, do not hide: the table says why
+                        rows.append(dict(shape=shape, format=name, tokens=tokens, variant=label,
+                                         us=f"{type(err).__name__}: {str(err)[:80]}"))
+                        continue
+                    rows.append(dict(shape=shape, format=name, tokens=tokens, variant=label,
+                                     us=t * 1e6, frac_hbm=distinct * per_expert / t / hbm))
+                    print(table([rows[-1]], list(rows[-1])), flush=True)
+            del p
+            gc.collect()
+    return rows
+
+
+def _kernel_step(fn, xs, routes, w_gate_up, w_down, arrays):
+    """A zero-argument step running the kernels on the next (tokens, routing) set each call
+    (the weight arrays are arguments of the jitted kernel entry, not constants)."""
+    state = {"i": 0}
+
+    def step():
+        state["i"] += 1
+        i = state["i"] % len(xs)
+        return fn(xs[i], routes[i].expert_ids, routes[i].weights, w_gate_up, w_down, **arrays)
+
+    return step
+
+
+def _variants(base: MoEDecodeConfig) -> dict[str, MoEDecodeConfig]:
+    out = {"heuristic": base}
+
+    def both(**changes):
+        return MoEDecodeConfig(dataclasses.replace(base.gate_up, **changes),
+                               dataclasses.replace(base.down, **changes))
+
+    for bn_scale in (0.5, 2):
+        gu_bn = int(base.gate_up.block_n * bn_scale)
+        dn_bn = int(base.down.block_n * bn_scale)
+        if 16 <= gu_bn <= 256 and 16 <= dn_bn <= 256:
+            out[f"block_n x{bn_scale}"] = MoEDecodeConfig(
+                dataclasses.replace(base.gate_up, block_n=gu_bn),
+                dataclasses.replace(base.down, block_n=dn_bn))
+    for stages in (2, 3):
+        if stages != base.gate_up.num_stages:
+            out[f"stages={stages}"] = both(num_stages=stages)
+    other_warps = 4 if base.down.num_warps == 8 else 8
+    out[f"warps={other_warps}"] = both(num_warps=other_warps)
+    if base.gate_up.f16_dot:
+        out["bf16 dots"] = both(f16_dot=False)
+    if base.gate_up.block_k == 128:
+        out["block_k=64"] = both(block_k=64)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true",
+                        help="tiny shapes, interpret mode off GPU (a smoke test of the script)")
+    parser.add_argument("--quick", action="store_true", help="1, 8, 64 tokens; bf16, nvfp4")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES) + list(TINY))
+    parser.add_argument("--formats", nargs="+", choices=list(FORMATS))
+    parser.add_argument("--tokens", nargs="+", type=int)
+    parser.add_argument("--no-peers", action="store_true", help="time the Pallas path only")
+    parser.add_argument("--sweep", action="store_true", help="also time tile variants")
+    parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--out", type=Path, help="write the markdown tables here")
+    args = parser.parse_args()
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu and not args.tiny:
+        sys.exit("benchmarks/moe_decode.py needs a GPU (or --tiny for a CPU smoke test)")
+    shapes = args.shapes or (list(TINY) if args.tiny else list(SHAPES))
+    formats = args.formats or (["bf16", "nvfp4"] if args.quick or args.tiny else
+                               ["bf16", "nvfp4", "mxfp4", "fp8"])
+    token_counts = args.tokens or ((1, 2, 3) if args.tiny else
+                                   (1, 8, 64) if args.quick else TOKENS)
+    iters = 2 if args.tiny else 20
+    device = jax.devices()[0]
+    lines = [f"## moe_decode ({datetime.date.today()}, {device.device_kind}, jax "
+             f"{jax.__version__}{', interpret mode' if not on_gpu else ''})", ""]
+    if not args.skip_check:
+        check = check_correctness(args.tiny)
+        lines += ["### Correctness (kernel vs reference; moe_forward pallas vs XLA decode)", "",
+                  table(check, list(check[0])), ""]
+        print("\n".join(lines), flush=True)
+        bad = [r for r in check if r["ok"] != "yes"]
+        if bad:
+            print(f"{len(bad)} correctness failures", flush=True)
+    hbm = hbm_copy_bandwidth(0.0625 if args.tiny else 4.0)
+    rows = bench(shapes, formats, token_counts, hbm=hbm, iters=iters, peers=not args.no_peers)
+    cols = ["shape", "format", "tokens", "experts", "MB", "us", "GBps", "frac_hbm",
+            "ragged_dot_us", "vs_ragged_dot", "xla_decode_us", "vs_xla_decode"]
+    lines += [f"HBM copy {hbm / 1e12:.2f} TB/s (measured in this run). Full jitted moe_forward "
+              "decode steps; MB = weight bytes of the distinct selected experts.", "",
+              table(rows, cols), ""]
+    if args.sweep:
+        srows = sweep(shapes, formats, token_counts, hbm=hbm, iters=iters)
+        lines += ["### Tile sweep (kernels alone, routing precomputed)", "",
+                  table(srows, ["shape", "format", "tokens", "variant", "us", "frac_hbm"]), ""]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,663 @@
+"""MoE decode: the routed experts of a few tokens, expert-major, Pallas kernels on the Triton
+lowering.
+
+A decode step (T = 1..64 tokens, k experts each) is bound by the bytes of the distinct selected
+experts' weights. Every such expert is read once, by programs that each own (one selected
+expert, one tile of output columns) and process ALL (token, slot) pairs routed to that expert.
+
+Plan (``make_plan``, on device, no host sync). The ``P = T * k`` pairs are sorted by expert id
+(stable; zero experts -- ids outside ``[0, E)``, LongCat -- sort last and are skipped). Each
+run of equal ids is one expert's rows. ``work [3, U]`` lists, for ``U = min(E, P)`` expert slots,
+the expert id, its first sorted row and its row count; slots past the number of distinct
+experts have 0 rows (their programs exit at once). ``token_of_row [P]`` maps a sorted row to its
+token, ``row_of_pair [T, k]`` a pair to its sorted row.
+
+Kernel 1 (gate_up), grid ``(U, cdiv(I, block_n))``: the program of slot u gathers its rows of
+``x`` through ``token_of_row`` (``block_m`` = 16 at a time: one chunk for up to 16 pairs, the
+usual case), walks K with the expert's gate and up weight tiles (a free reshape of ``[E, 2I, H]``
+to ``[E, 2, I, H]`` concatenated or ``[E, I, 2, H]`` interleaved), adds the biases and writes
+``h = act(gate) * up`` rows ``[P, I]`` (bf16, or f32 for f32 inputs) in sorted order.
+Kernel 2 (down), grid ``(U, cdiv(H, block_n))``: the same over ``h``'s contiguous rows, writing
+``y [P, H]`` f32. The combine (``combine``) gathers each pair's row, puts ``x`` in for zero
+experts and sums the k slots weighted, in f32 jnp: no atomics, deterministic.
+
+Tiles are transposed (``swap_ab``): ``dot(w [bn, bk], a^T [bk, bm])``, so the weight tile is the
+MMA's large operand and the 16 padded rows its small one. Weights are dequantized per K step in
+registers with the grouped matmul's helpers: FP8 block scales multiply each step's f32 partial
+(``block_k`` divides the scale block), NVFP4 / MXFP4 scales multiply the E2M1 values; the NVFP4
+global scale (per row segment) multiplies the accumulator once. FP4 tiles are not interleaved:
+the low nibbles (even k) and high nibbles (odd k) are two ``[bn, bk/2]`` operands, dotted with
+the even and odd columns of the activations (gathered as such; they are tiny). With
+``DecodeTile.f16_dot`` (FP8_BLOCK, NVFP4) the dot operands are f16: e4m3 -> f16 is exact and one
+conversion per two values on sm_90, NVFP4 codes become ``e2m1 * 2^-14`` by bit placement (in
+PTX on the GPU, two values per 32-bit op; the 2^14 goes into the global scale); each activation
+row is scaled by a power of two into ``[2^10, 2^11)`` (its amax over K, from a pre-pass over the
+chunk's rows) and the accumulator scaled back once, so bf16 activations pass exactly.
+
+The file reads top-down: the NVFP4 unpack, the plan, the kernel body on refs, the
+``pallas_call`` wrapper, the combine, the jitted public entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._device import device_kind, device_sm_count
+from pallas_kernels.grouped_matmul.config import (
+    MXFP4_GROUP,
+    NVFP4_GROUP,
+    Activation,
+    GateUpLayout,
+    WeightFormat,
+)
+from pallas_kernels.grouped_matmul.kernel import _e2m1_to_f32, _e8m0_to_f32, _gated, _repeat_cols
+from pallas_kernels.grouped_matmul.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT
+from pallas_kernels.moe_decode.config import DecodeTile, MoEDecodeConfig, choose_decode_config
+from pallas_kernels.paged_attention.decode import (
+    _e2m1_to_f16_scaled,
+    _grid,
+    _pow2_row_scales,
+    _zero_like,
+)
+
+_X_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_F16_NVFP4_FACTOR = 2.0**14  # _e2m1_to_f16_scaled gives e2m1 * 2^-14
+
+# ---------------------------------------------------------------------------------------------
+# NVFP4 unpack for f16 dots.
+# ---------------------------------------------------------------------------------------------
+
+# Four packed bytes per instance -> four f16 ``e2m1 * 2^-14`` ($0: bytes 0, 1; $1: bytes 2, 3)
+# of their low nibbles (even k, SHIFT_M 9, SHIFT_S 12) or high nibbles (odd k, 5 and 8): ``prmt``
+# spreads two bytes into the two 16-bit lanes, then each nibble's magnitude bits go to bits
+# 9-11 and its sign bit to bit 15 (``_e2m1_to_f16_scaled``'s bit placement, two lanes per
+# 32-bit op): ~2.5 instructions per value instead of ~6 for the per-element int32 version.
+# (Two launches of the asm, not one with two results: Pallas lowers a multi-result
+# elementwise_inline_asm to a single value.)
+_FP4_TO_F16_ASM = """{
+.reg .b32 t, a, b, z;
+mov.b32 z, 0;
+cvt.u32.u16 t, $1;
+prmt.b32 t, t, z, 0x4140;
+shl.b32 a, t, SHIFT_M; and.b32 a, a, 0x0E000E00;
+shl.b32 b, t, SHIFT_S; and.b32 b, b, 0x80008000;
+or.b32 $0, a, b;
+}"""
+
+
+def _fp4_to_f16_scaled(packed, inline_asm: bool):
+    """uint8 ``[r, c]`` packed E2M1 pairs -> (low nibbles, high nibbles) as f16 ``e2m1 * 2^-14``
+    ``[r, c]`` each. ``inline_asm``: the PTX above (GPU); else the same bits in jnp."""
+    if inline_asm:
+        out = jax.ShapeDtypeStruct(packed.shape, jnp.float16)
+        return tuple(
+            plgpu.elementwise_inline_asm(
+                _FP4_TO_F16_ASM.replace("SHIFT_M", str(m)).replace("SHIFT_S", str(s)),
+                args=[packed], constraints="=r,h", pack=2, result_shape_dtypes=[out])[0]
+            for m, s in ((9, 12), (5, 8)))
+    codes = packed.astype(jnp.int32)
+    return _e2m1_to_f16_scaled(codes), _e2m1_to_f16_scaled(codes >> 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: pairs sorted by expert, one work entry per distinct expert (on device).
+# ---------------------------------------------------------------------------------------------
+
+
+class DecodePlan(NamedTuple):
+    work: jax.Array  # [3, U] int32: expert id (E: idle slot), first sorted row, row count
+    token_of_row: jax.Array  # [P] int32 token of each sorted row
+    row_of_pair: jax.Array  # [T, k] int32 sorted row of each (token, slot) pair
+    routed: jax.Array  # [T, k] bool: the pair goes to a real expert (False: zero expert)
+
+
+def make_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
+    """Work list of ``expert_ids [T, k]``: one sort of the ``P = T*k`` pair ids, a cumsum and a
+    scatter; ``U = min(E, P)`` slots (a static bound on the distinct experts)."""
+    t, k = expert_ids.shape
+    p = t * k
+    u = min(num_experts, p)
+    flat = expert_ids.reshape(p).astype(jnp.int32)
+    routed = (flat >= 0) & (flat < num_experts)
+    key = jnp.where(routed, flat, num_experts)  # zero experts sort last
+    row = jnp.arange(p, dtype=jnp.int32)
+    sorted_key, order = jax.lax.sort((key, row), num_keys=1, is_stable=True)  # [P], [P]
+    prev = jnp.concatenate([jnp.full((1,), -1, jnp.int32), sorted_key[:-1]])
+    starts = (sorted_key != prev) & (sorted_key < num_experts)  # [P] first row of an expert
+    slot = jnp.cumsum(starts, dtype=jnp.int32) - 1  # [P] slot of each routed row
+    num_routed = jnp.sum(routed, dtype=jnp.int32)
+    # first[u] for u < #distinct, then num_routed (idle slots, and the sentinel u = U).
+    first = jnp.full((u + 1,), num_routed, jnp.int32).at[jnp.where(starts, slot, u + 1)].set(
+        row, mode="drop")
+    rows = first[1:] - first[:-1]  # [U]; 0 for idle slots
+    first = first[:u]
+    expert = jnp.where(rows > 0, sorted_key[jnp.minimum(first, p - 1)], num_experts)
+    row_of_pair = jnp.zeros((p,), jnp.int32).at[order].set(row, unique_indices=True)
+    return DecodePlan(
+        work=jnp.stack([expert, first, rows]).astype(jnp.int32),
+        token_of_row=order // k,
+        row_of_pair=row_of_pair.reshape(t, k),
+        routed=routed.reshape(t, k),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel body.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything the kernel body specializes on (hashable)."""
+
+    fmt: WeightFormat
+    halves: int  # 2: gate_up (gate and up accumulators, gated epilogue); 1: down
+    layout: GateUpLayout  # INTERLEAVED: w [E, N, 2, Kw]; else [E, halves, N, Kw]
+    activation: Activation | None
+    limit: float | None  # SILU: clamp (None: none); GPT_OSS: its limit
+    alpha: float
+    gather_rows: bool  # rows of a_ref are tokens (via row_map_ref), else the sorted rows
+    n: int  # output columns per half
+    k: int  # contraction length (unpacked)
+    block_m: int
+    block_n: int
+    block_k: int
+    swap_ab: bool
+    f16_dot: bool
+    fp8_block: tuple[int, int]
+    global_rows: int  # NVFP4: rows of w (over all halves) sharing one global scale
+    compute_dtype: jnp.dtype  # dot operand dtype
+    inline_asm: bool  # GPU: NVFP4 f16 unpack in PTX (interpret mode: the same in jnp)
+
+
+def expert_matmul_kernel(
+    work_ref,  # [3, U] int32: expert id (E: idle), first sorted row, row count
+    row_map_ref,  # [P] int32 token of each sorted row (gate_up) | None (down)
+    a_ref,  # [T, K] x (gate_up) | [P, K] h (down): bf16/f16/f32
+    w_ref,  # [E, halves, N, Kw] | [E, N, 2, Kw] (interleaved); Kw = K, or K/2 u8 (FP4)
+    scale_ref,  # FP8: [E, cdiv(halves*N, b0), cdiv(K, b1)] f32 | FP4: as w_ref, K/16 or K/32
+    global_ref,  # [E, R] f32 (NVFP4) | None
+    bias_ref,  # as w_ref without the K axis | None
+    o_ref,  # [P, N] h (bf16/f32) | y (f32), rows in sorted order
+    *,
+    st: _Static,
+):
+    bm, bn, bk = st.block_m, st.block_n, st.block_k
+    u = pl.program_id(0)
+    n0 = pl.program_id(1) * bn
+    e = work_ref[0, u]
+    first = work_ref[1, u]
+    num_rows = work_ref[2, u]  # 0 for an idle slot: no chunk runs
+
+    cols = n0 + jnp.arange(bn, dtype=jnp.int32)  # [bn]
+    n_ragged = st.n % bn != 0
+    k_ragged = st.k % bk != 0
+    col_mask = cols < st.n
+    fp4 = st.fmt in (WeightFormat.NVFP4, WeightFormat.MXFP4)
+    interleaved = st.layout is GateUpLayout.INTERLEAVED
+    precision = jax.lax.Precision.HIGHEST if st.compute_dtype == jnp.float32 else None
+    div = jax.lax.div  # non-negative integer division without jnp's sign fix-ups
+
+    # K columns of one step: FP4 splits them into even (low nibble) and odd (high nibble) ones.
+    kk = jnp.arange(bk // 2 if fp4 else bk, dtype=jnp.int32)
+    col_sets = (2 * kk, 2 * kk + 1) if fp4 else (kk,)
+
+    def w_at(ref, h, *minor):
+        """Indexer of ``ref`` at this expert, half ``h``, output columns ``cols`` (+ minor)."""
+        h = jnp.int32(h)  # a Python int index trips the interpret-mode load discharge
+        if not minor:  # bias: [bn]
+            return ref.at[(e, cols, h) if interleaved else (e, h, cols)]
+        c = cols[:, None]
+        return ref.at[(e, c, h, *minor) if interleaved else (e, h, c, *minor)]
+
+    def orig_rows(h):
+        """Row of the unreshaped ``w [E, halves*N, K]`` behind each output column of half h."""
+        return 2 * cols + h if interleaved else h * st.n + cols
+
+    def masked_load(ref_at, *masks):
+        masks = [m for m in masks if m is not None]
+        if not masks:
+            return plgpu.load(ref_at)
+        return plgpu.load(ref_at, mask=functools.reduce(jnp.logical_and, masks),
+                          other=_zero_like(ref_at.dtype))
+
+    n_mask = col_mask[:, None] if n_ragged else None
+
+    def load_w(h, kb):
+        """One K step of half h: (dot operands [bn, bk] (FP4: even, odd [bn, bk/2]),
+        f32 per-column scale [bn] or None)."""
+        match st.fmt:
+            case WeightFormat.BF16 | WeightFormat.FP8_BLOCK:
+                kc = kb * bk + kk
+                k_mask = (kc < st.k)[None, :] if k_ragged else None
+                w = masked_load(w_at(w_ref, h, kc[None, :]), n_mask, k_mask)  # [bn, bk]
+                dot_dtype = jnp.float16 if st.f16_dot else st.compute_dtype
+                if st.fmt is WeightFormat.BF16:
+                    return (w.astype(dot_dtype),), None
+                b0, b1 = st.fp8_block
+                s_at = scale_ref.at[e, div(orig_rows(h), b0), div(kb * bk, b1)]
+                s = masked_load(s_at, col_mask if n_ragged else None)  # [bn] f32
+                return (w.astype(dot_dtype),), s  # e4m3 -> f16 / bf16: exact
+            case WeightFormat.NVFP4 | WeightFormat.MXFP4:
+                group = NVFP4_GROUP if st.fmt is WeightFormat.NVFP4 else MXFP4_GROUP
+                kp, ks = bk // 2, bk // group  # packed bytes, scales per K step
+                pc = kb * kp + jnp.arange(kp, dtype=jnp.int32)
+                sc = kb * ks + jnp.arange(ks, dtype=jnp.int32)
+                p_mask = (pc < st.k // 2)[None, :] if k_ragged else None
+                s_mask = (sc < st.k // group)[None, :] if k_ragged else None
+                codes = masked_load(w_at(w_ref, h, pc[None, :]), n_mask, p_mask)  # [bn, bk/2]
+                raw_s = masked_load(w_at(scale_ref, h, sc[None, :]), n_mask, s_mask)
+                if st.f16_dot:  # NVFP4 only: e2m1 * 2^-14 * f16(e4m3 scale), exact
+                    s = _repeat_cols(raw_s.astype(jnp.float16), group // 2)  # [bn, bk/2]
+                    lo, hi = _fp4_to_f16_scaled(codes, st.inline_asm)
+                    return (lo * s, hi * s), None
+                codes = codes.astype(jnp.int32)
+                if st.fmt is WeightFormat.NVFP4:
+                    s = raw_s.astype(jnp.float32)
+                else:
+                    s = _e8m0_to_f32(raw_s.astype(jnp.int32))
+                s = _repeat_cols(s, group // 2)  # [bn, bk/2]: scale of byte j is s[j*2//group]
+                lo = _e2m1_to_f32(codes & 0xF) * s  # even k
+                hi = _e2m1_to_f32(codes >> 4) * s  # odd k
+                return (lo.astype(st.compute_dtype), hi.astype(st.compute_dtype)), None
+
+    def a_tile(src, row_mask, kb, cs):
+        """[bm, len(cs)] activations of the rows ``src`` at K columns ``kb * bk + cs``."""
+        kc = kb * bk + cs
+        mask = row_mask[:, None] & (kc < st.k)[None, :] if k_ragged else row_mask[:, None]
+        return plgpu.load(a_ref.at[_grid(src, kc)], mask=mask, other=0.0)
+
+    def row_scales(src, row_mask):
+        """f16 dots: powers of two ``(up, down)`` [bm] with ``amax * up`` in [2^10, 2^11) over
+        each row's whole K (a pre-pass over the chunk's rows, from L2), so that the K loop
+        only multiplies and the accumulator is scaled back once."""
+
+        def body(kb, m):
+            t = a_tile(src, row_mask, kb, jnp.arange(bk, dtype=jnp.int32))
+            return jnp.maximum(m, jnp.max(jnp.abs(t.astype(jnp.float32)), axis=1))
+
+        amax = jax.lax.fori_loop(0, pl.cdiv(st.k, bk), body, jnp.zeros((bm,), jnp.float32))
+        return _pow2_row_scales(amax)
+
+    def load_a(src, row_mask, kb, up):
+        """One K step of the rows ``src`` [bm]: dot operands per column set [bm, bk(/2)]."""
+        tiles = [a_tile(src, row_mask, kb, cs) for cs in col_sets]
+        if up is None:
+            return tuple(t.astype(st.compute_dtype) for t in tiles)
+        return tuple((t.astype(jnp.float32) * up[:, None]).astype(jnp.float16) for t in tiles)
+
+    def dot(w, a):  # [bn, bkc] x [bm, bkc] -> [bn, bm] (swap_ab) | [bm, bn]
+        lhs, rhs = (w, a) if st.swap_ab else (a, w)
+        return jax.lax.dot_general(lhs, rhs, (((1,), (1,)), ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32)
+
+    def per_col(v):  # [bn] factor of the output columns, broadcast against a partial
+        return v[:, None] if st.swap_ab else v[None, :]
+
+    def compute(src, row_mask):
+        """[bm, bn] f32 output rows of this chunk (epilogue applied)."""
+        up, down = row_scales(src, row_mask) if st.f16_dot else (None, None)
+
+        def body(kb, accs):
+            a_tiles = load_a(src, row_mask, kb, up)
+            new = []
+            for h, acc in enumerate(accs):
+                w_tiles, w_s = load_w(h, kb)
+                part = functools.reduce(
+                    jnp.add, [dot(w, a) for w, a in zip(w_tiles, a_tiles, strict=True)])
+                if w_s is not None:
+                    part = part * per_col(w_s)
+                new.append(acc + part)
+            return tuple(new)
+
+        zeros = jnp.zeros((bn, bm) if st.swap_ab else (bm, bn), jnp.float32)
+        accs = jax.lax.fori_loop(0, pl.cdiv(st.k, bk), body, (zeros,) * st.halves)
+
+        outs = []
+        for h, acc in enumerate(accs):
+            if st.swap_ab:
+                acc = acc.T  # [bm, bn]
+            if down is not None:
+                acc = acc * down[:, None]  # undo the rows' power-of-two scaling
+            if global_ref is not None:
+                gs = masked_load(global_ref.at[e, div(orig_rows(h), st.global_rows)],
+                                 col_mask if n_ragged else None)  # [bn] f32
+                if st.f16_dot:
+                    gs = gs * _F16_NVFP4_FACTOR
+                acc = acc * gs[None, :]
+            if bias_ref is not None:
+                b = masked_load(w_at(bias_ref, h), col_mask if n_ragged else None)
+                acc = acc + b.astype(jnp.float32)[None, :]
+            outs.append(acc)
+        if st.activation is None:
+            return outs[0]
+        gate, up = outs
+        limit = st.limit if st.limit is not None else 0.0
+        if st.activation is Activation.SILU and st.limit is not None:  # DeepSeek-V4 clamp
+            gate = jnp.minimum(gate, limit)
+            up = jnp.clip(up, -limit, limit)
+        return _gated(gate, up, st.activation, st.alpha, limit)
+
+    def chunk(c, carry):
+        j = c * bm + jnp.arange(bm, dtype=jnp.int32)  # [bm] row within the expert
+        row_mask = j < num_rows
+        rows = first + j  # [bm] sorted rows
+        src = rows
+        if st.gather_rows:
+            src = plgpu.load(row_map_ref.at[rows], mask=row_mask, other=0)  # [bm] tokens
+        out = compute(src, row_mask)
+        mask = row_mask[:, None] & col_mask[None, :] if n_ragged else row_mask[:, None]
+        plgpu.store(o_ref.at[_grid(rows, cols)], out.astype(o_ref.dtype), mask=mask)
+        return carry
+
+    jax.lax.fori_loop(0, div(num_rows + bm - 1, bm), chunk, jnp.int32(0))
+
+
+# ---------------------------------------------------------------------------------------------
+# pallas_call wrapper.
+# ---------------------------------------------------------------------------------------------
+
+
+def _expert_matmul_pallas(
+    work,  # [3, U] int32
+    row_map,  # [P] int32 | None
+    a,  # [T, K] | [P, K]
+    w,  # [E, halves, N, Kw] | [E, N, 2, Kw]
+    scale,  # format-specific (see expert_matmul_kernel) | None
+    global_scale,  # [E, R] f32 | None
+    bias,  # [E, halves, N] | [E, N, 2] | None
+    *,
+    st: _Static,
+    tile: DecodeTile,
+    num_rows: int,
+    out_dtype,
+    interpret: bool,
+    name: str,
+) -> jax.Array:
+    # No BlockSpecs: every operand is passed whole (a pointer in Triton); the program finds its
+    # expert and rows in the work list, so its blocks start at data-dependent places.
+    grid = (work.shape[1], pl.cdiv(st.n, tile.block_n))  # (expert slots, column tiles)
+    return pl.pallas_call(
+        functools.partial(expert_matmul_kernel, st=st),
+        grid=grid,
+        out_shape=jax.ShapeDtypeStruct((num_rows, st.n), out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=tile.num_warps,
+                                             num_stages=tile.num_stages),
+        interpret=interpret,
+        name=(f"moe_decode_{name}_{st.fmt.value}{'_f16' if st.f16_dot else ''}"
+              f"_bm{tile.block_m}_bn{tile.block_n}_bk{tile.block_k}"),
+    )(work, row_map, a, w, scale, global_scale, bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# The two launches and the combine.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Weights:
+    """A validated expert weight stack and its format arrays."""
+
+    w: jax.Array  # [E, N, Kw]
+    scale: jax.Array | None
+    global_scale: jax.Array | None  # [E, R] f32 (NVFP4)
+    bias: jax.Array | None  # [E, N]
+    global_rows: int
+
+
+def _expect(name, arr, shape=None, dtypes=None):
+    if shape is not None and tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(arr.shape)}")
+    if dtypes is not None and arr.dtype not in [jnp.dtype(d) for d in dtypes]:
+        allowed = ", ".join(str(jnp.dtype(d)) for d in dtypes)
+        raise TypeError(f"{name}: expected dtype in ({allowed}), got {arr.dtype}")
+
+
+def _check_weights(name, w, scale, global_scale, bias, *, fmt, num_experts, n, k, block_size
+                   ) -> _Weights:
+    """Validates one stack ``[E, n, k]`` (logical) of format ``fmt``; raises naming ``name``."""
+    e = num_experts
+    if w.ndim != 3:
+        raise ValueError(f"{name}: expected rank 3 [E, N, K(/2)], got shape {w.shape}")
+    match fmt:
+        case WeightFormat.BF16:
+            _expect(name, w, (e, n, k), (jnp.bfloat16, jnp.float16, jnp.float32))
+            if scale is not None:
+                raise ValueError(f"{name}_scale: BF16 weights take no scale")
+        case WeightFormat.FP8_BLOCK:
+            _expect(name, w, (e, n, k), (jnp.float8_e4m3fn,))
+            if scale is None:
+                raise ValueError(f"{name}_scale: FP8_BLOCK needs scale_inv [E, cdiv(N,b0), "
+                                 "cdiv(K,b1)]")
+            b0, b1 = block_size
+            _expect(f"{name}_scale", scale, (e, pl.cdiv(n, b0), pl.cdiv(k, b1)))
+            scale = scale.astype(jnp.float32)
+        case WeightFormat.NVFP4 | WeightFormat.MXFP4:
+            group = NVFP4_GROUP if fmt is WeightFormat.NVFP4 else MXFP4_GROUP
+            if k % group:
+                raise ValueError(f"{name}: {fmt.value} needs K to be a multiple of {group}, "
+                                 f"got K={k}")
+            _expect(name, w, (e, n, k // 2), (jnp.uint8,))
+            if scale is None:
+                raise ValueError(f"{name}_scale: {fmt.value} needs scale [E, N, K/{group}]")
+            s_dtype = jnp.float8_e4m3fn if fmt is WeightFormat.NVFP4 else jnp.uint8
+            _expect(f"{name}_scale", scale, (e, n, k // group), (s_dtype,))
+    global_rows = n
+    if fmt is WeightFormat.NVFP4:
+        if global_scale is None:
+            global_scale = jnp.ones((e, 1), jnp.float32)
+        global_scale = global_scale.astype(jnp.float32).reshape(e, -1)  # [E, R]
+        if n % global_scale.shape[1]:
+            raise ValueError(f"{name}_global_scale: R={global_scale.shape[1]} row segments must "
+                             f"divide N={n}")
+        global_rows = n // global_scale.shape[1]
+    elif global_scale is not None:
+        raise ValueError(f"{name}_global_scale: only NVFP4 has a global scale, fmt is "
+                         f"{fmt.value}")
+    if bias is not None:
+        _expect(f"{name}_bias", bias, (e, n))
+    return _Weights(w, scale, global_scale, bias, global_rows)
+
+
+def _split_halves(a, halves: int, layout: GateUpLayout):
+    """Free reshape ``[E, halves*N, ...]`` -> ``[E, halves, N, ...]`` | ``[E, N, 2, ...]``."""
+    if a is None:
+        return None
+    e, rows = a.shape[:2]
+    if layout is GateUpLayout.INTERLEAVED and halves == 2:
+        return a.reshape(e, rows // 2, 2, *a.shape[2:])
+    return a.reshape(e, halves, rows // halves, *a.shape[2:])
+
+
+def _launch(a, plan, wts: _Weights, *, fmt, halves, layout, activation, limit, alpha,
+            block_size, tile: DecodeTile, num_rows, out_dtype, interpret, name):
+    n = wts.w.shape[1] // halves
+    k = a.shape[1]
+    st = _Static(
+        fmt=fmt, halves=halves, layout=layout if halves == 2 else GateUpLayout.CONCATENATED,
+        activation=activation, limit=limit, alpha=float(alpha),
+        gather_rows=name == "gate_up", n=n, k=k, block_m=tile.block_m,
+        block_n=tile.block_n, block_k=tile.block_k, swap_ab=tile.swap_ab,
+        f16_dot=tile.f16_dot, fp8_block=tuple(block_size), global_rows=wts.global_rows,
+        compute_dtype=jnp.dtype(a.dtype), inline_asm=not interpret)
+    scale = wts.scale if fmt is WeightFormat.FP8_BLOCK else _split_halves(wts.scale, halves,
+                                                                         st.layout)
+    return _expert_matmul_pallas(
+        plan.work, plan.token_of_row if st.gather_rows else None, a,
+        _split_halves(wts.w, halves, st.layout), scale, wts.global_scale,
+        _split_halves(wts.bias, halves, st.layout),
+        st=st, tile=tile, num_rows=num_rows, out_dtype=out_dtype, interpret=interpret,
+        name=name)
+
+
+def combine(y_sorted: jax.Array, plan: DecodePlan, x: jax.Array, weights: jax.Array
+            ) -> jax.Array:
+    """``sum_j weights[t, j] * (y of pair (t, j), or x[t] for a zero expert)`` in f32.
+
+    ``y_sorted [P, H]`` (rows in sorted order), ``x [T, H]``, ``weights [T, k]`` -> ``[T, H]``.
+    A gather and a k-term sum per token (one XLA fusion): no atomics, a fixed order.
+    """
+    pairs = pairs_of(y_sorted, plan)  # [T, k, H], zero-expert pairs 0
+    vals = jnp.where(plan.routed[..., None], pairs, x.astype(jnp.float32)[:, None, :])
+    return jnp.sum(weights.astype(jnp.float32)[..., None] * vals, axis=1)
+
+
+def pairs_of(y_sorted: jax.Array, plan: DecodePlan) -> jax.Array:
+    """Rows of ``y_sorted [P, H]`` in pair order ``[T, k, H]`` f32; zero-expert pairs 0 (their
+    rows were never written)."""
+    t, k = plan.row_of_pair.shape
+    pairs = jnp.take(y_sorted, plan.row_of_pair.reshape(-1), axis=0).reshape(t, k, -1)
+    return jnp.where(plan.routed[..., None], pairs.astype(jnp.float32), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entries.
+# ---------------------------------------------------------------------------------------------
+
+_STATIC = ("fmt", "activation", "gate_up_layout", "limit", "alpha", "block_size", "h_dtype",
+           "config", "interpret")
+
+
+def _experts(x, expert_ids, gate_up, down, *, fmt, gate_up_scale, gate_up_global_scale,
+             gate_up_bias, down_scale, down_global_scale, down_bias, activation,
+             gate_up_layout, limit, alpha, block_size, h_dtype, config, interpret):
+    """Validates, plans and runs both launches: (y_sorted [P, H] f32, plan)."""
+    fmt = WeightFormat.coerce(fmt)
+    activation = Activation.coerce(activation)
+    layout = GateUpLayout.coerce(gate_up_layout)
+    if (not isinstance(block_size, tuple) or len(block_size) != 2
+            or not all(isinstance(b, int) and b > 0 for b in block_size)):
+        raise ValueError(f"block_size: expected a tuple of two positive ints, got {block_size!r}")
+    if x.ndim != 2:
+        raise ValueError(f"x: expected rank 2 [T, H], got shape {x.shape}")
+    if x.dtype not in [jnp.dtype(d) for d in _X_DTYPES]:
+        raise NotImplementedError(f"x: dtype {x.dtype} not supported (bf16, f16, f32)")
+    if expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"expert_ids: expected shape ({x.shape[0]}, k), got {expert_ids.shape}")
+    if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise TypeError(f"expert_ids: expected an integer dtype, got {expert_ids.dtype}")
+    if activation is Activation.GELU_TANH and limit is not None:
+        raise ValueError(f"limit: only the SiLU and gpt-oss activations clamp, got {limit!r} "
+                         "with gelu_tanh")
+    if activation is Activation.GPT_OSS and limit is None:
+        limit = GPT_OSS_LIMIT
+    t, hidden = x.shape
+    if gate_up.ndim != 3 or down.ndim != 3:
+        raise ValueError(f"gate_up, down: expected rank 3, got shapes {gate_up.shape}, "
+                         f"{down.shape}")
+    e, two_i = gate_up.shape[:2]
+    if two_i % 2:
+        raise ValueError(f"gate_up: expected an even number of rows 2I, got {two_i}")
+    inter = two_i // 2
+    gu = _check_weights("gate_up", gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias,
+                        fmt=fmt, num_experts=e, n=two_i, k=hidden, block_size=block_size)
+    dn = _check_weights("down", down, down_scale, down_global_scale, down_bias, fmt=fmt,
+                        num_experts=e, n=hidden, k=inter, block_size=block_size)
+    if h_dtype is None:
+        h_dtype = jnp.float32 if x.dtype == jnp.float32 else jnp.bfloat16
+    h_dtype = jnp.dtype(h_dtype)
+    if h_dtype not in [jnp.dtype(d) for d in _X_DTYPES]:
+        raise NotImplementedError(f"h_dtype: {h_dtype} not supported (bf16, f16, f32)")
+    if config is None:
+        config = choose_decode_config(
+            t, expert_ids.shape[1], e, hidden, inter, fmt, fp8_block=block_size,
+            x_itemsize=x.dtype.itemsize, sm_count=device_sm_count(), device_kind=device_kind())
+    if not isinstance(config, MoEDecodeConfig):
+        raise ValueError(f"config: expected a MoEDecodeConfig, got {config!r}")
+    config.check_format(fmt, fp8_block=block_size)
+
+    plan = make_plan(expert_ids, e)
+    p = plan.token_of_row.shape[0]
+    common = dict(fmt=fmt, layout=layout, activation=None, limit=limit, alpha=alpha,
+                  block_size=block_size, num_rows=p, interpret=interpret)
+    h = _launch(x, plan, gu, halves=2, tile=config.gate_up, out_dtype=h_dtype,
+                name="gate_up", **(common | dict(activation=activation)))  # [P, I]
+    y = _launch(h, plan, dn, halves=1, tile=config.down, out_dtype=jnp.float32, name="down",
+                **common)  # [P, H]
+    return y, plan
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def moe_decode_pairs(
+    x: jax.Array,  # [T, H] bf16/f16/f32
+    expert_ids: jax.Array,  # [T, k] int; outside [0, E): zero expert (skipped)
+    gate_up: jax.Array,  # [E, 2I, H] | [E, 2I, H//2] u8 (FP4)
+    down: jax.Array,  # [E, H, I] | [E, H, I//2] u8 (FP4)
+    *,
+    fmt: WeightFormat | str,
+    gate_up_scale: jax.Array | None = None,  # FP8 scale_inv | NVFP4 e4m3 | MXFP4 u8 (E8M0)
+    gate_up_global_scale: jax.Array | None = None,  # NVFP4 [E, R] or [E] f32
+    gate_up_bias: jax.Array | None = None,  # [E, 2I]
+    down_scale: jax.Array | None = None,
+    down_global_scale: jax.Array | None = None,
+    down_bias: jax.Array | None = None,  # [E, H]
+    activation: Activation | str = Activation.SILU,
+    gate_up_layout: GateUpLayout | str = GateUpLayout.CONCATENATED,
+    limit: float | None = None,  # SILU: optional clamp; GPT_OSS: its limit (default 7.0)
+    alpha: float = GPT_OSS_ALPHA,
+    block_size: tuple[int, int] = (128, 128),  # FP8_BLOCK scale block (b0 along N, b1 along K)
+    h_dtype=None,  # intermediate h between the launches: bf16 (f32 for f32 x)
+    config: MoEDecodeConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Routed expert outputs of each (token, slot) pair, ``[T, k, H]`` f32 (zero experts: 0).
+
+    Expert-major Pallas kernels (module docstring): each selected expert's weights are read once
+    per step. ``config=None`` picks the tiles with ``choose_decode_config`` from the shapes and
+    the default device. Raises ValueError/TypeError for malformed inputs and
+    NotImplementedError for unsupported dtypes.
+    """
+    if x.shape[0] == 0:
+        return jnp.zeros((0, expert_ids.shape[1], x.shape[1]), jnp.float32)
+    y, plan = _experts(
+        x, expert_ids, gate_up, down, fmt=fmt, gate_up_scale=gate_up_scale,
+        gate_up_global_scale=gate_up_global_scale, gate_up_bias=gate_up_bias,
+        down_scale=down_scale, down_global_scale=down_global_scale, down_bias=down_bias,
+        activation=activation, gate_up_layout=gate_up_layout, limit=limit, alpha=alpha,
+        block_size=block_size, h_dtype=h_dtype, config=config, interpret=interpret)
+    return pairs_of(y, plan)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def moe_decode(
+    x: jax.Array,  # [T, H] bf16/f16/f32
+    expert_ids: jax.Array,  # [T, k] int; outside [0, E): zero expert (identity in the combine)
+    weights: jax.Array,  # [T, k] routing weights
+    gate_up: jax.Array,  # [E, 2I, H] | [E, 2I, H//2] u8 (FP4)
+    down: jax.Array,  # [E, H, I] | [E, H, I//2] u8 (FP4)
+    *,
+    fmt: WeightFormat | str,
+    gate_up_scale: jax.Array | None = None,
+    gate_up_global_scale: jax.Array | None = None,
+    gate_up_bias: jax.Array | None = None,
+    down_scale: jax.Array | None = None,
+    down_global_scale: jax.Array | None = None,
+    down_bias: jax.Array | None = None,
+    activation: Activation | str = Activation.SILU,
+    gate_up_layout: GateUpLayout | str = GateUpLayout.CONCATENATED,
+    limit: float | None = None,
+    alpha: float = GPT_OSS_ALPHA,
+    block_size: tuple[int, int] = (128, 128),
+    h_dtype=None,
+    config: MoEDecodeConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """The routed experts' combined output ``sum_j weights[t, j] * expert_j(x[t])``, ``[T, H]``
+    f32; zero experts contribute ``weights[t, j] * x[t]``. Keywords as ``moe_decode_pairs``."""
+    if x.shape[0] == 0:
+        return jnp.zeros(x.shape, jnp.float32)
+    _expect("weights", weights, expert_ids.shape)
+    y, plan = _experts(
+        x, expert_ids, gate_up, down, fmt=fmt, gate_up_scale=gate_up_scale,
+        gate_up_global_scale=gate_up_global_scale, gate_up_bias=gate_up_bias,
+        down_scale=down_scale, down_global_scale=down_global_scale, down_bias=down_bias,
+        activation=activation, gate_up_layout=gate_up_layout, limit=limit, alpha=alpha,
+        block_size=block_size, h_dtype=h_dtype, config=config, interpret=interpret)
+    return combine(y, plan, x, weights)

@@ -1,0 +1,436 @@
+"""Tests of pallas_kernels.moe_decode (the expert-major MoE decode kernels) and of moe_forward's
+decode variant through them.
+
+The kernels run in Pallas interpret mode on CPU. Interpret mode fills outputs with NaN before
+the kernel runs, so "every routed pair finite" doubles as "every row written once". Shapes are
+chosen so that N and K are not multiples of the test tiles (H = 160, I = 96 against 64-wide
+tiles) and one expert can own more rows than ``block_m`` (T = 33: three row chunks). Routing
+patterns are run-time values, so one compile serves all patterns of one (T, format, variant).
+A second class lowers every format to Triton IR for an abstract H200 (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax._src import mesh as mesh_lib
+from jax.experimental import pallas as pl
+
+import atlas_jax as aj
+from atlas_jax.config import Format
+from pallas_kernels.grouped_matmul.config import WeightFormat
+from pallas_kernels.moe_decode import (
+    DecodeTile,
+    MoEDecodeConfig,
+    choose_decode_config,
+    combine_reference,
+    expected_distinct_experts,
+    make_plan,
+    moe_decode,
+    moe_decode_pairs,
+    moe_decode_pairs_reference,
+)
+from pallas_kernels.moe_decode import kernel as kernel_module
+from tests.test_moe import make, token_ids_for
+
+E, H, I = 6, 160, 96  # H, I: not multiples of the 64-wide test tiles
+FP8_BLOCK = (32, 64)  # small scale blocks: a tile spans several along N
+TEST_CONFIG = MoEDecodeConfig(gate_up=DecodeTile(block_n=64, block_k=64),
+                              down=DecodeTile(block_n=64, block_k=64))
+F16_CONFIG = MoEDecodeConfig(gate_up=DecodeTile(block_n=64, block_k=64, f16_dot=True),
+                             down=DecodeTile(block_n=64, block_k=64, f16_dot=True))
+
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_up_pallas_interpret():
+    """The first interpret-mode pallas_call of a process imports modules that add a tracing
+    context value, so the first jitted caller would be traced and compiled twice; a trivial
+    call first keeps that to one compile per test case."""
+
+    def copy(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    pl.pallas_call(copy, out_shape=jax.ShapeDtypeStruct((8,), jnp.float32), interpret=True)(
+        jnp.zeros((8,), jnp.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers: routing patterns, weights, tolerances.
+# ---------------------------------------------------------------------------------------------
+
+
+def routing(pattern: str, t: int, k: int, seed: int = 0) -> jax.Array:
+    """[T, k] int32 expert ids; ids >= E are zero experts."""
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(t)])  # k distinct per token
+    match pattern:
+        case "random":
+            pass
+        case "repeated":  # every token on the same k experts
+            ids = np.tile(np.arange(k)[None, :], (t, 1))
+        case "one_expert":  # every token's first slot on expert 3, the others elsewhere
+            ids = np.stack([[3, *rng.permutation([e for e in range(E) if e != 3])[:k - 1]]
+                            for _ in range(t)])
+        case "zero_experts":  # LongCat: ids E, E+1 mixed in
+            ids[:, -1] = E + np.arange(t) % 2
+            ids[::2, 0] = E + 1
+        case "all_zero":
+            ids[:] = E
+        case "dup_in_token":  # one expert twice in a token (a hash table may do that)
+            ids[:, 1] = ids[:, 0]
+        case "last_expert":
+            ids[:, 0] = E - 1
+    return jnp.asarray(ids, jnp.int32)
+
+
+GPT_OSS = dict(activation="gpt_oss", gate_up_layout="interleaved", limit=0.5)
+BF16, FP8, NVFP4, MXFP4 = (WeightFormat.BF16, WeightFormat.FP8_BLOCK, WeightFormat.NVFP4,
+                           WeightFormat.MXFP4)
+CASES = [  # (T, k, format, variant)
+    (1, 4, BF16, dict(x_dtype=jnp.float32)),  # f32 operands and h
+    (3, 3, BF16, dict(activation="silu", limit=0.3, bias=True)),  # DeepSeek-V4 clamp
+    (33, 2, BF16, dict()),  # an expert with 33 rows: three row chunks
+    (3, 2, FP8, dict()),
+    (8, 2, FP8, dict(GPT_OSS, bias=True, f16=True)),
+    (2, 2, NVFP4, dict(activation="gelu_tanh", bias=True)),
+    (33, 2, NVFP4, dict(GPT_OSS, f16=True)),
+    (1, 4, MXFP4, dict()),
+    (3, 2, MXFP4, dict(GPT_OSS, bias=True)),
+]
+CASE_IDS = [f"T{t}-k{k}-{fmt.value}-" + "-".join(
+    f"{n}={getattr(v, '__name__', v)}" for n, v in variant.items() if n != "gate_up_layout")
+    for t, k, fmt, variant in CASES]
+
+PATTERNS = ("random", "repeated", "one_expert", "zero_experts", "all_zero", "dup_in_token",
+            "last_expert")
+
+
+def make_weights(rng, fmt: WeightFormat, n: int, k: int, *, global_rows: int = 1) -> dict:
+    """Random (never all-zero) ``[E, n, k]`` weights of one format, drawn with numpy (no XLA
+    compiles): the kernel's keyword arrays ``w``, ``scale``, ``global_scale``."""
+    match fmt:
+        case WeightFormat.BF16:
+            w = rng.standard_normal((E, n, k), np.float32) / np.sqrt(k)
+            return dict(w=jnp.asarray(w.astype(ml_dtypes.bfloat16)))
+        case WeightFormat.FP8_BLOCK:
+            w = (64.0 * rng.standard_normal((E, n, k), np.float32)).astype(ml_dtypes.float8_e4m3fn)
+            s_shape = (E, -(-n // FP8_BLOCK[0]), -(-k // FP8_BLOCK[1]))
+            s = rng.uniform(0.5, 2.0, s_shape).astype(np.float32) / (64.0 * np.sqrt(k))
+            return dict(w=jnp.asarray(w), scale=jnp.asarray(s))
+        case WeightFormat.NVFP4:
+            w = rng.integers(0, 256, (E, n, k // 2), np.uint8)
+            s = rng.uniform(0.25, 4.0, (E, n, k // 16)).astype(ml_dtypes.float8_e4m3fn)
+            g = rng.uniform(0.5, 1.5, (E, global_rows)).astype(np.float32) / np.sqrt(k)
+            return dict(w=jnp.asarray(w), scale=jnp.asarray(s), global_scale=jnp.asarray(g))
+        case WeightFormat.MXFP4:
+            w = rng.integers(0, 256, (E, n, k // 2), np.uint8)
+            s = rng.integers(122, 126, (E, n, k // 32), np.uint8)
+            return dict(w=jnp.asarray(w), scale=jnp.asarray(s))
+
+
+@functools.cache
+def expert_arrays(fmt: WeightFormat, *, bias: bool = False, seed: int = 0) -> dict:
+    """Keyword arrays of both stacks (gate_up with two NVFP4 global-scale row segments)."""
+    rng = np.random.default_rng(seed)
+    gu = make_weights(rng, fmt, 2 * I, H, global_rows=2)
+    dn = make_weights(rng, fmt, H, I)
+    kw = dict(gate_up=gu.pop("w"), down=dn.pop("w"), fmt=fmt, block_size=FP8_BLOCK)
+    kw.update({f"gate_up_{name}": v for name, v in gu.items()})
+    kw.update({f"down_{name}": v for name, v in dn.items()})
+    if bias:
+        kw.update(gate_up_bias=jnp.asarray(
+                      (0.5 * rng.standard_normal((E, 2 * I))).astype(ml_dtypes.bfloat16)),
+                  down_bias=jnp.asarray(0.5 * rng.standard_normal((E, H)), jnp.float32))
+    return kw
+
+
+def make_x(t: int, seed: int = 7, dtype=jnp.bfloat16) -> jax.Array:
+    """Rows of very different magnitudes (1e-2 .. 3e2): the f16 route's per-row scaling."""
+    rng = np.random.default_rng(seed)
+    row_scale = np.logspace(-2, 2.5, t)[:, None] if t > 1 else 1.0
+    x = (rng.standard_normal((t, H)) * row_scale).astype(np.float32)
+    return jnp.asarray(x.astype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else x)
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def assert_pairs_close(out, ref, ids):
+    """Kernel pairs vs reference pairs [T, k, H]: finite (written), zero experts exactly 0."""
+    chex.assert_equal_shape([out, ref])
+    chex.assert_type(out, jnp.float32)
+    out, ref = np.asarray(out), np.asarray(ref)
+    assert np.isfinite(out).all(), "unwritten (NaN-poisoned) or non-finite pair output"
+    zero = np.asarray((ids < 0) | (ids >= E))
+    np.testing.assert_array_equal(out[zero], 0.0, err_msg="zero-expert pairs must be 0")
+    if (~zero).any():
+        # Both sides round h to bf16; a rare 1-ulp flip of h moves y by ~2^-8 of one term.
+        assert rel_err(out, ref) < 2e-3, rel_err(out, ref)
+        np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel vs reference.
+# ---------------------------------------------------------------------------------------------
+
+
+class TestKernelInterpret:
+    config = TEST_CONFIG
+
+    def check(self, t, k, patterns, *, x_dtype=jnp.bfloat16, config=None, **kw):
+        x = make_x(t, dtype=x_dtype)
+        for i, pattern in enumerate(patterns):
+            ids = routing(pattern, t, k, seed=i)
+            out = moe_decode_pairs(x, ids, config=config or self.config, interpret=True, **kw)
+            h_dtype = jnp.float32 if x_dtype == jnp.float32 else jnp.bfloat16
+            ref = moe_decode_pairs_reference(x, ids, h_dtype=h_dtype, **kw)
+            try:
+                assert_pairs_close(out, ref, ids)
+            except AssertionError as e:
+                raise AssertionError(f"routing pattern {pattern!r}: {e}") from None
+
+    # ---- every token count of the issue (1..64, MTP verify 2 and 3), every format, both
+    # gate/up layouts and all three activations, biases, f16 dots: a covering set of cases
+    # (each case is one compile; every routing pattern runs under it) ----
+
+    @pytest.mark.parametrize("t,k,fmt,variant", CASES, ids=CASE_IDS)
+    def test_against_reference(self, t, k, fmt, variant):
+        variant = dict(variant)
+        config = F16_CONFIG if variant.pop("f16", False) else None
+        x_dtype = variant.pop("x_dtype", jnp.bfloat16)
+        arrays = expert_arrays(fmt, bias=variant.pop("bias", False))
+        self.check(t, k, PATTERNS, x_dtype=x_dtype, config=config, **arrays, **variant)
+
+    # ---- the combine: weighted k-way sum in f32, zero experts as identity ----
+
+    def test_combined_output_with_zero_experts(self):
+        arrays = expert_arrays(WeightFormat.BF16)
+        x = make_x(5)
+        for pattern in ("zero_experts", "all_zero", "random"):
+            ids = routing(pattern, 5, 3)
+            w = jnp.asarray(np.random.default_rng(3).uniform(size=(5, 3)), jnp.float32)
+            out = moe_decode(x, ids, w, config=self.config, interpret=True, **arrays)
+            pairs = moe_decode_pairs_reference(x, ids, **arrays)
+            ref = combine_reference(pairs, x, ids, w, E)
+            chex.assert_shape(out, (5, H))
+            assert bool(jnp.all(jnp.isfinite(out)))
+            assert rel_err(out, ref) < 2e-3, (pattern, rel_err(out, ref))
+
+    def test_empty_input(self):
+        arrays = expert_arrays(WeightFormat.BF16)
+        out = moe_decode_pairs(make_x(0), jnp.zeros((0, 2), jnp.int32), interpret=True,
+                               config=self.config, **arrays)
+        chex.assert_shape(out, (0, 2, H))
+
+    # ---- bad input ----
+
+    def test_bad_inputs_raise(self):
+        arrays = expert_arrays(WeightFormat.FP8_BLOCK)
+        x, ids = make_x(2), routing("random", 2, 2)
+        run = functools.partial(moe_decode_pairs, x, ids, interpret=True, config=self.config)
+        with pytest.raises(ValueError, match="block_k to divide the scale block"):
+            bad = dict(arrays, block_size=(32, 32))
+            bad["gate_up_scale"] = jnp.ones((E, 2 * I // 32, H // 32))
+            bad["down_scale"] = jnp.ones((E, H // 32, I // 32))
+            run(**bad)
+        with pytest.raises(ValueError, match=r"gate_up_scale: expected shape"):
+            run(**dict(arrays, gate_up_scale=arrays["gate_up_scale"][:, :1]))
+        with pytest.raises(TypeError, match=r"expert_ids: expected an integer dtype"):
+            moe_decode_pairs(x, ids.astype(jnp.float32), interpret=True, **arrays)
+        with pytest.raises(ValueError, match=r"expert_ids: expected shape \(2, k\)"):
+            moe_decode_pairs(x, ids[:1], interpret=True, **arrays)
+        with pytest.raises(ValueError, match="only the SiLU and gpt-oss activations clamp"):
+            run(activation="gelu_tanh", limit=1.0, **arrays)
+        bf16 = expert_arrays(WeightFormat.BF16)
+        with pytest.raises(ValueError, match="f16_dot: only for"):
+            moe_decode_pairs(x, ids, interpret=True, config=F16_CONFIG, **bf16)
+        with pytest.raises(TypeError, match=r"gate_up: expected dtype"):
+            moe_decode_pairs(x, ids, interpret=True, **dict(bf16, gate_up=arrays["gate_up"]))
+        with pytest.raises(ValueError, match="FP8_BLOCK needs scale_inv"):
+            moe_decode_pairs(x, ids, interpret=True, **dict(arrays, down_scale=None))
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan, config, Triton lowering.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("t,k", [(1, 4), (7, 3), (33, 2)])
+def test_plan_covers_every_routed_pair_once(pattern, t, k):
+    ids = routing(pattern, t, k)
+    plan = jax.jit(make_plan, static_argnums=1)(ids, E)
+    work, tok, row_of_pair, routed = map(np.asarray, plan)
+    expert, first, rows = work
+    u = min(E, t * k)
+    chex.assert_shape([expert, first, rows], (u,))
+    flat = np.asarray(ids).reshape(-1)
+    real = (flat >= 0) & (flat < E)
+    np.testing.assert_array_equal(routed.reshape(-1), real)
+    busy = rows > 0
+    distinct = np.unique(flat[real])
+    np.testing.assert_array_equal(expert[busy], distinct, err_msg="one slot per distinct expert")
+    assert not busy[len(distinct):].any() and (expert[~busy] == E).all(), "idle slots last"
+    covered = np.zeros(t * k, np.int32)
+    for e, r0, n in zip(expert[busy], first[busy], rows[busy], strict=True):
+        covered[r0:r0 + n] += 1
+        pair_rows = row_of_pair.reshape(-1)
+        mine = np.flatnonzero(flat == e)
+        np.testing.assert_array_equal(np.sort(pair_rows[mine]), np.arange(r0, r0 + n))
+    np.testing.assert_array_equal(covered[:real.sum()], 1, err_msg="routed rows once")
+    np.testing.assert_array_equal(covered[real.sum():], 0)
+    pair_rows = row_of_pair.reshape(-1)
+    np.testing.assert_array_equal(tok[pair_rows], np.arange(t * k) // k)
+
+
+def test_config_heuristic():
+    cfg = choose_decode_config(1, 8, 128, 2048, 768, "bf16", sm_count=132,
+                               device_kind="NVIDIA H200")
+    assert cfg.gate_up.block_n * 2 <= 128 and cfg.gate_up.swap_ab and cfg.down.block_m == 16
+    # 8 busy experts: the gate_up tiles narrow until the programs cover every SM twice, down
+    # to 32 rows for BF16 and 64 for the formats dequantized in registers
+    assert 8 * -(-768 // cfg.gate_up.block_n) >= 2 * 132 or cfg.gate_up.block_n == 32
+    for fmt in ("fp8_block", "nvfp4", "mxfp4"):
+        q = choose_decode_config(1, 8, 128, 2048, 768, fmt, sm_count=132)
+        assert q.gate_up.block_n == 64 and q.down.block_n >= 64
+    wide = choose_decode_config(64, 8, 128, 2048, 768, "bf16", sm_count=132)
+    assert wide.down.block_n >= cfg.down.block_n
+    for fmt in WeightFormat:
+        gpu = choose_decode_config(8, 8, 256, 7168, 2048, fmt, sm_count=132)
+        gpu.check_format(fmt)
+        assert gpu.gate_up.f16_dot == (fmt in (WeightFormat.FP8_BLOCK, WeightFormat.NVFP4))
+        cpu = choose_decode_config(8, 8, 256, 7168, 2048, fmt)
+        assert not cpu.gate_up.f16_dot and not cpu.down.f16_dot
+    assert expected_distinct_experts(1, 8, 128) == 8
+    assert expected_distinct_experts(64, 8, 128) in range(120, 129)
+    with pytest.raises(ValueError, match="DecodeTile.block_n"):
+        DecodeTile(block_n=24, block_k=64)
+    with pytest.raises(ValueError, match="DecodeTile.block_k: nvfp4 needs"):
+        DecodeTile(block_n=32, block_k=16).check_format("nvfp4")
+
+
+def test_fp4_unpack_ptx_bit_logic():
+    """The PTX of the GPU's NVFP4 unpack, emulated on every byte pair: the same f16 values as the
+    jnp path (``e2m1 * 2^-14`` of the low / high nibbles). The element order within the packed
+    registers (little-endian: element 0 in the low byte / low half) is Triton's convention."""
+    asm = kernel_module._FP4_TO_F16_ASM
+    assert "prmt.b32 t, t, z, 0x4140;" in asm and "cvt.u32.u16 t, $1;" in asm
+    pair = np.arange(1 << 16, dtype=np.uint32)  # byte 0 = element 0
+    t = (pair & 0xFF) | ((pair >> 8) << 16)  # prmt 0x4140: byte0 -> lane 0, byte1 -> lane 1
+    codes = np.stack([pair & 0xFF, pair >> 8], axis=1).astype(np.int32)  # [65536, 2]
+    for (shift_m, shift_s), nibble in (((9, 12), codes & 0xF), ((5, 8), codes >> 4)):
+        text = asm.replace("SHIFT_M", str(shift_m)).replace("SHIFT_S", str(shift_s))
+        assert f"shl.b32 a, t, {shift_m};" in text and f"shl.b32 b, t, {shift_s};" in text
+        r = ((t << shift_m) & 0x0E000E00) | ((t << shift_s) & 0x80008000)
+        got = r.astype("<u4").view("<f2").reshape(-1, 2)  # lane 0 = low half
+        expected = np.asarray(kernel_module._e2m1_to_f16_scaled(jnp.asarray(nibble)))
+        np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16))
+
+
+_SD = jax.ShapeDtypeStruct
+_LE, _LH, _LI = 16, 576, 160  # ragged against 128-wide tiles (as gpt-oss's 2880)
+
+
+def _lowering_arrays(fmt: WeightFormat, n: int, k: int, prefix: str) -> dict:
+    match fmt:
+        case WeightFormat.BF16:
+            arrays = dict(w=_SD((_LE, n, k), jnp.bfloat16))
+        case WeightFormat.FP8_BLOCK:
+            arrays = dict(w=_SD((_LE, n, k), jnp.float8_e4m3fn),
+                          scale=_SD((_LE, -(-n // 128), -(-k // 128)), jnp.float32))
+        case WeightFormat.NVFP4:
+            arrays = dict(w=_SD((_LE, n, k // 2), jnp.uint8),
+                          scale=_SD((_LE, n, k // 16), jnp.float8_e4m3fn),
+                          global_scale=_SD((_LE, 2), jnp.float32))
+        case WeightFormat.MXFP4:
+            arrays = dict(w=_SD((_LE, n, k // 2), jnp.uint8),
+                          scale=_SD((_LE, n, k // 32), jnp.uint8))
+    arrays["bias"] = _SD((_LE, n), jnp.bfloat16)
+    return {prefix if name == "w" else f"{prefix}_{name}": v for name, v in arrays.items()}
+
+
+@pytest.mark.parametrize("fmt,f16", [(f, False) for f in WeightFormat]
+                         + [(WeightFormat.FP8_BLOCK, True), (WeightFormat.NVFP4, True)])
+def test_lowers_to_triton_for_h200(fmt, f16):
+    arrays = _lowering_arrays(fmt, 2 * _LI, _LH, "gate_up") | _lowering_arrays(
+        fmt, _LH, _LI, "down")
+    # N and K ragged in both launches (160 = 2.5 x 64, 576 = 4.5 x 128)
+    config = MoEDecodeConfig(DecodeTile(64, 128, f16_dot=f16),
+                             DecodeTile(128, 128, num_warps=8, f16_dot=f16))
+
+    def f(x, ids, w, arrays):
+        return moe_decode(x, ids, w, fmt=fmt, activation="gpt_oss", gate_up_layout="interleaved",
+                          config=config, **arrays)
+
+    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(f).trace(_SD((8, _LH), jnp.bfloat16), _SD((8, 4), jnp.int32),
+                                   _SD((8, 4), jnp.float32), arrays).lower(
+                                       lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2  # gate_up and down launches
+
+
+# ---------------------------------------------------------------------------------------------
+# moe_forward's decode variant through the kernels.
+# ---------------------------------------------------------------------------------------------
+
+_make = jax.jit(make, static_argnames=("name", "fmt", "dtype", "shared_expert_format"))
+
+
+def moe_tokens(t: int) -> jax.Array:
+    """[T, 64] bf16 tokens for tests.test_moe's layer shapes (numpy: no compile)."""
+    x = np.random.default_rng(1).standard_normal((t, 64)).astype(ml_dtypes.bfloat16)
+    return jnp.asarray(x)
+PALLAS_DECODE = aj.KernelConfig(grouped_matmul="pallas", moe_path="decode")
+XLA_DECODE = aj.KernelConfig(grouped_matmul="xla", moe_path="decode")
+XLA_PREFILL = aj.KernelConfig(grouped_matmul="xla", moe_path="prefill")
+
+
+@pytest.mark.parametrize("name,fmt,shared_fmt", [
+    ("longcat", Format.BF16, None),  # zero experts
+    ("gpt_oss", Format.MXFP4, None),  # interleaved, biases, clamped activation
+    ("deepseek_v4_hash", Format.BF16, None),  # hash routing
+    ("deepseek_v3", Format.NVFP4, Format.BF16),  # shared expert in its own format (XLA path)
+])
+def test_moe_forward_decode_equals_prefill_and_xla(name, fmt, shared_fmt):
+    p = _make(name=name, fmt=fmt, dtype=jnp.bfloat16, shared_expert_format=shared_fmt)
+    x = moe_tokens(9)
+    tids = token_ids_for(p, 9)
+    f = jax.jit(aj.moe_forward, static_argnames="kernels")  # one jitted decode step
+    y = f(p, x, token_ids=tids, kernels=PALLAS_DECODE)
+    y_xla = f(p, x, token_ids=tids, kernels=XLA_DECODE)
+    y_pre = f(p, x, token_ids=tids, kernels=XLA_PREFILL)
+    chex.assert_type(y, jnp.bfloat16)
+    chex.assert_tree_all_finite(y)
+    assert rel_err(y, y_xla) < 1e-2
+    assert rel_err(y, y_pre) < 1e-2
+
+
+def test_ops_moe_decode_auto_and_errors():
+    p = _make(name="qwen3")
+    x = moe_tokens(3)
+    ids = jax.jit(aj.moe.route)(p, x).expert_ids
+    f = jax.jit(aj.ops.moe_decode, static_argnames="kernels")
+    ref = f(x, ids, p.gate_up, p.down, kernels=aj.KernelConfig(grouped_matmul="xla"))
+    auto = f(x, ids, p.gate_up, p.down)  # "auto" off GPU: the xla path
+    chex.assert_shape(ref, (3, p.config.top_k, 64))
+    np.testing.assert_array_equal(auto, ref)
+    with pytest.raises(ValueError, match="expert_ids must be"):
+        aj.ops.moe_decode(x, ids[:1], p.gate_up, p.down)
+    with pytest.raises(TypeError, match="gate_up must be a QTensor"):
+        aj.ops.moe_decode(x, ids, p.gate_up.data, p.down)
+    other = dataclasses.replace(p.down, format=Format.FP8_BLOCK)
+    with pytest.raises(NotImplementedError, match="gate_up is bf16 but down is fp8_block"):
+        aj.ops.moe_decode(x, ids, p.gate_up, other,
+                          kernels=aj.KernelConfig(grouped_matmul="pallas"))
