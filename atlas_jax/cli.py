@@ -15,6 +15,8 @@ BENCHMARKS = {
     "grouped-matmul": "grouped_matmul.py",
     "paged-attention": "paged_attention.py",
     "autotune-grouped-matmul": "autotune_grouped_matmul.py",
+    "moe-decode": "moe_decode.py",
+    "moe-parallel": "moe_parallel.py",
 }
 KV_DTYPES = {"bf16": "bf16", "fp8": "fp8", "nvfp4": "nvfp4", "float32": "float32"}
 DTYPES = ("bf16", "float32")
