@@ -62,7 +62,13 @@ from atlas_jax.config import KernelConfig, MoEConfig, MoEPath
 from atlas_jax.moe.dispatch import combine, permute, unpermute
 from atlas_jax.moe.experts import shared_experts
 from atlas_jax.moe.params import MoEParams
-from atlas_jax.moe.routing import Routing, check_tokens, rms_normalize, route
+from atlas_jax.moe.routing import (
+    Routing,
+    check_token_ids,
+    check_tokens,
+    rms_normalize,
+    route,
+)
 from atlas_jax.ops.activation import GateUp
 from atlas_jax.ops.grouped_matmul import compute_dtype
 from atlas_jax.quant import QTensor
@@ -227,14 +233,9 @@ def moe_forward_parallel(
     x2 = check_tokens(x, cfg)
     if x2.shape[0] == 0:
         return jnp.zeros_like(x)
+    token_ids = check_token_ids(token_ids, cfg, x2.shape[0])
     if cfg.hash_routing:
-        if token_ids is None:
-            raise ValueError("route: this is a hash-routing layer (DeepSeek-V4): pass token_ids")
-        token_ids = jnp.asarray(token_ids)
-        if token_ids.size != x2.shape[0] or not jnp.issubdtype(token_ids.dtype, jnp.integer):
-            raise ValueError(f"route: token_ids must be {x2.shape[0]} integers (one per token), "
-                             f"got shape {token_ids.shape} dtype {token_ids.dtype}")
-        token_ids = token_ids.reshape(-1).astype(jnp.int32)
+        token_ids = token_ids.astype(jnp.int32)
         check_in_range(token_ids, cfg.hash_vocab_size, "token_ids", "the hash table's vocabulary")
     else:
         token_ids = None

@@ -141,15 +141,21 @@ def route(params: MoEParams, x: jax.Array, token_ids: jax.Array | None = None) -
     """Route tokens: ``x [T, H]`` (or [B, S, H], flattened) -> Routing of ``[T, k]``."""
     cfg = params.config
     x2 = check_tokens(x, cfg)
-    if cfg.hash_routing:
-        if token_ids is None:
-            raise ValueError("route: this is a hash-routing layer (DeepSeek-V4): pass token_ids")
-        token_ids = jnp.asarray(token_ids)
-        if token_ids.size != x2.shape[0] or not jnp.issubdtype(token_ids.dtype, jnp.integer):
-            raise ValueError(f"route: token_ids must be {x2.shape[0]} integers (one per token), "
-                             f"got shape {token_ids.shape} dtype {token_ids.dtype}")
-        token_ids = token_ids.reshape(-1)
+    token_ids = check_token_ids(token_ids, cfg, x2.shape[0])
     return route_logits(params, router_logits(params, x2), token_ids)
+
+
+def check_token_ids(token_ids, cfg: MoEConfig, num_tokens: int) -> jax.Array | None:
+    """Hash-routing layers need one integer token id per token: validated, flattened to [T]."""
+    if not cfg.hash_routing:
+        return token_ids
+    if token_ids is None:
+        raise ValueError("route: this is a hash-routing layer (DeepSeek-V4): pass token_ids")
+    token_ids = jnp.asarray(token_ids)
+    if token_ids.size != num_tokens or not jnp.issubdtype(token_ids.dtype, jnp.integer):
+        raise ValueError(f"route: token_ids must be {num_tokens} integers (one per token), "
+                         f"got shape {token_ids.shape} dtype {token_ids.dtype}")
+    return token_ids.reshape(-1)
 
 
 def check_tokens(x: jax.Array, cfg: MoEConfig) -> jax.Array:
