@@ -857,7 +857,7 @@ def test_backend_choice():
     y, _ = A.prefill(p, x, c, t, full(2, 0), kernels=KernelConfig(paged_attention="xla"))
     y2, _ = A.prefill(p, x, c, t, full(2, 0))  # auto: the reference (no Pallas kernel yet)
     np.testing.assert_array_equal(y, y2)
-    with pytest.raises(NotImplementedError, match="Pallas paged-attention kernel"):
+    with pytest.raises(NotImplementedError, match="no Pallas prefill kernel yet"):
         A.prefill(p, x, c, t, full(2, 0), kernels=KernelConfig(paged_attention="pallas"))
 
 
