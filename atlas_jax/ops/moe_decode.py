@@ -23,12 +23,10 @@ import jax
 import jax.numpy as jnp
 
 from atlas_jax.config import Backend, Format, KernelConfig
-from atlas_jax.ops._dispatch import interpret_mode, log, on_gpu, resolve_backend
+from atlas_jax.ops._dispatch import interpret_mode, resolve_backend
 from atlas_jax.ops.activation import GateUp, gated_activation
 from atlas_jax.ops.grouped_matmul import compute_dtype
 from atlas_jax.quant import QTensor, dequantize
-
-_said: set[str] = set()
 
 
 def moe_decode_reference(
@@ -150,14 +148,8 @@ def moe_decode(
     _check(x, expert_ids, gate_up, down, gate_up_bias, down_bias)
     args = (x, expert_ids, gate_up, down, gate_up_bias, down_bias, epilogue)
     backend = (kernels or KernelConfig()).grouped_matmul
-    if backend is Backend.AUTO and on_gpu():
-        reason = unsupported_reason(gate_up, down)
-        if reason is not None:
-            if reason not in _said:
-                _said.add(reason)
-                log.info("atlas_jax: moe_decode 'auto' uses the xla implementation (%s)", reason)
-            return moe_decode_reference(*args)
-    match resolve_backend("moe_decode", backend):
+    match resolve_backend("moe_decode", backend,
+                          unsupported=unsupported_reason(gate_up, down)):
         case Backend.XLA:
             return moe_decode_reference(*args)
         case Backend.PALLAS:
