@@ -146,8 +146,18 @@ def rotating(fn, params, xs):
 
 
 def check_correctness(tiny: bool) -> list[dict]:
+    """Kernel vs reference at 33 tokens (several row chunks) and 1 token (split-K tiles on
+    the GPU), every format; moe_forward pallas vs XLA decode."""
     rows = []
-    e, h, inter, t, k = (8, 64, 32, 3, 2) if tiny else (16, 1024, 512, 33, 4)
+    e, h, inter, k = (8, 64, 32, 2) if tiny else (16, 1024, 512, 4)
+    for t in ((3,) if tiny else (33, 1)):
+        rows += _check_kernels(e, h, inter, t, k)
+    rows += _check_moe_forward(tiny)
+    return rows
+
+
+def _check_kernels(e, h, inter, t, k) -> list[dict]:
+    rows = []
     rng = np.random.default_rng(0)
     ids = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(t)]), jnp.int32)
     ids = ids.at[0, -1].set(e)  # one zero expert
@@ -177,7 +187,13 @@ def check_correctness(tiny: bool) -> list[dict]:
             err = rel_err(out, ref)
             ok = bool(np.isfinite(np.asarray(out)).all()) and err < 1e-2
             rows.append(dict(check="kernel vs reference", format=name, config=label, T=t,
+                             split_k=f"{config.gate_up.split_k}/{config.down.split_k}",
                              rel_err=err, ok="yes" if ok else "NO"))
+    return rows
+
+
+def _check_moe_forward(tiny: bool) -> list[dict]:
+    rows = []
     shapes = list(TINY) if tiny else ["qwen3-30b-a3b"]
     for shape in shapes:
         for name in ("bf16", "nvfp4"):
@@ -187,7 +203,7 @@ def check_correctness(tiny: bool) -> list[dict]:
             err = rel_err(f(p, xx, kernels=PALLAS), f(p, xx, kernels=XLA_DECODE))
             ok = err < 1e-2
             rows.append(dict(check=f"moe_forward {shape}", format=name, config="pallas vs xla",
-                             T=8, rel_err=err, ok="yes" if ok else "NO"))
+                             T=8, split_k="", rel_err=err, ok="yes" if ok else "NO"))
     return rows
 
 
@@ -315,6 +331,13 @@ def _variants(base: MoEDecodeConfig) -> dict[str, MoEDecodeConfig]:
         out["bf16 dots"] = both(f16_dot=False)
     if base.gate_up.block_k == 128:
         out["block_k=64"] = both(block_k=64)
+    out["split_k=1"] = both(split_k=1)
+    out["split_k x2"] = MoEDecodeConfig(
+        dataclasses.replace(base.gate_up, split_k=2 * base.gate_up.split_k),
+        dataclasses.replace(base.down, split_k=2 * base.down.split_k))
+    out["down split only"] = MoEDecodeConfig(dataclasses.replace(base.gate_up, split_k=1),
+                                             base.down)
+    out["block_n=32, split_k=1"] = both(block_n=32, split_k=1)
     return out
 
 

@@ -226,6 +226,23 @@ class TestKernelInterpret:
             assert bool(jnp.all(jnp.isfinite(out)))
             assert rel_err(out, ref) < 2e-3, (pattern, rel_err(out, ref))
 
+    # ---- split-K: K ranges not multiples of each other (H = 160 = 2.5 x 64, I = 96 = 3 x 32),
+    # gate_up partials activated in the down kernel's prologue, bias added once ----
+
+    @pytest.mark.parametrize("fmt,variant,config", [
+        (BF16, dict(activation="silu", limit=0.3, bias=True), MoEDecodeConfig(
+            DecodeTile(block_n=64, block_k=64, split_k=2),
+            DecodeTile(block_n=64, block_k=32, split_k=3))),
+        (NVFP4, dict(GPT_OSS, bias=True), MoEDecodeConfig(
+            DecodeTile(block_n=64, block_k=32, split_k=4, f16_dot=True),
+            DecodeTile(block_n=64, block_k=32, split_k=1, f16_dot=True))),
+    ], ids=["bf16-silu-clamp-bias-split2x3", "nvfp4-gpt_oss-f16-split4x1"])
+    def test_split_k(self, fmt, variant, config):
+        variant = dict(variant)
+        arrays = expert_arrays(fmt, bias=variant.pop("bias"))
+        self.check(3, 2, ("random", "zero_experts", "dup_in_token"), config=config, **arrays,
+                   **variant)
+
     def test_empty_input(self):
         arrays = expert_arrays(WeightFormat.BF16)
         out = moe_decode_pairs(make_x(0), jnp.zeros((0, 2), jnp.int32), interpret=True,
@@ -297,12 +314,15 @@ def test_config_heuristic():
     cfg = choose_decode_config(1, 8, 128, 2048, 768, "bf16", sm_count=132,
                                device_kind="NVIDIA H200")
     assert cfg.gate_up.block_n * 2 <= 128 and cfg.gate_up.swap_ab and cfg.down.block_m == 16
-    # 8 busy experts: the gate_up tiles narrow until the programs cover every SM twice, down
-    # to 32 rows for BF16 and 64 for the formats dequantized in registers
-    assert 8 * -(-768 // cfg.gate_up.block_n) >= 2 * 132 or cfg.gate_up.block_n == 32
-    for fmt in ("fp8_block", "nvfp4", "mxfp4"):
-        q = choose_decode_config(1, 8, 128, 2048, 768, fmt, sm_count=132)
-        assert q.gate_up.block_n == 64 and q.down.block_n >= 64
+    # 1..3 tokens: tiles stay >= 64 wide (32-wide ones were slower on the H200), unsplit
+    for t in (1, 2, 3):
+        for fmt in ("bf16", "fp8_block", "nvfp4", "mxfp4"):
+            q = choose_decode_config(t, 8, 128, 2048, 768, fmt, sm_count=132)
+            assert q.gate_up.block_n == 64 and q.down.block_n >= 64, (t, fmt)
+            assert q.gate_up.split_k == q.down.split_k == 1
+    # more tokens: BF16 tiles narrow to 32 until the busy programs cover every SM twice
+    mid = choose_decode_config(8, 8, 128, 2048, 768, "bf16", sm_count=1000)
+    assert mid.gate_up.block_n == 32
     wide = choose_decode_config(64, 8, 128, 2048, 768, "bf16", sm_count=132)
     assert wide.down.block_n >= cfg.down.block_n
     for fmt in WeightFormat:
@@ -315,6 +335,8 @@ def test_config_heuristic():
     assert expected_distinct_experts(64, 8, 128) in range(120, 129)
     with pytest.raises(ValueError, match="DecodeTile.block_n"):
         DecodeTile(block_n=24, block_k=64)
+    with pytest.raises(ValueError, match="DecodeTile.split_k"):
+        DecodeTile(block_n=32, block_k=64, split_k=0)
     with pytest.raises(ValueError, match="DecodeTile.block_k: nvfp4 needs"):
         DecodeTile(block_n=32, block_k=16).check_format("nvfp4")
 

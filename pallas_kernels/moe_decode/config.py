@@ -19,6 +19,7 @@ from pallas_kernels.grouped_matmul.config import (
 )
 
 MIN_DOT = 16  # smallest tl.dot extent along M, N and K
+FEW_TOKENS = 3  # decode steps of up to this many tokens (1, MTP verify 2-3): block_n >= 64
 F16_DOT_FORMATS = (WeightFormat.FP8_BLOCK, WeightFormat.NVFP4)  # formats with an f16 route
 
 
@@ -52,6 +53,11 @@ class DecodeTile:
     # activation rows are scaled by a power of two into f16 range and the f32 accumulator
     # scaled back: exact up to f16 subnormals (see kernel.py).
     f16_dot: bool = False
+    # Split-K: the K loop is cut into ``split_k`` ranges, one program each (grid axis 2), for
+    # steps with too few (expert, N tile) programs to fill the GPU (1..3 tokens). Partials are
+    # f32 and summed after the launch, without atomics: down's in the combine; gate_up's
+    # (gate and up pre-activations) in the down kernel's prologue, which activates them.
+    split_k: int = 1
 
     def __post_init__(self):
         for name, lo, hi in (("block_n", MIN_DOT, 512), ("block_k", MIN_DOT, 512),
@@ -67,6 +73,10 @@ class DecodeTile:
                 or not 1 <= self.num_stages <= 8):
             raise ValueError(
                 f"DecodeTile.num_stages: expected an int in [1, 8], got {self.num_stages!r}")
+        if (not isinstance(self.split_k, int) or isinstance(self.split_k, bool)
+                or not 1 <= self.split_k <= 32):
+            raise ValueError(
+                f"DecodeTile.split_k: expected an int in [1, 32], got {self.split_k!r}")
         for name in ("swap_ab", "f16_dot"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DecodeTile.{name}: expected a bool, got "
@@ -141,6 +151,8 @@ def choose_tile(
     x_itemsize: int = 2,
     sm_count: int | None = None,
     device_kind: str | None = None,
+    few_tokens: bool = False,
+    prologue_splits: int = 0,
 ) -> DecodeTile:
     """Pure heuristic: the tile of one decode kernel with ``n`` output columns (per half),
     contraction ``k``, and ``num_programs_per_column`` expected busy expert slots.
@@ -153,6 +165,14 @@ def choose_tile(
     32 rows than at 64). ``block_k`` gives 128-256 bytes of contiguous weight per row and K
     step; ``num_stages`` keeps 2-4 steps in flight; 4 warps (8 doubled the per-byte
     instruction count in the same SASS comparison).
+
+    ``few_tokens`` (1..3 tokens): ``block_n`` stops at 64 for BF16 too, unsplit. Measured on
+    the H200 (Qwen3-30B-A3B, 1 token, kernels alone): 54.7 us against 63.7 us for 32-wide
+    tiles; splitting K (``split_k`` 2-4, gate_up partials activated in down's prologue) was
+    slower at 1-3 tokens (62-89 us), so the heuristic leaves ``split_k`` at 1; it stays a
+    tunable. ``prologue_splits``: the down kernel after a gate_up split that many ways reads
+    f32 gate and up partials (``2 * 4 * splits`` bytes per activation element) instead of
+    ``x_itemsize``; the shared-memory stages count them.
     """
     fmt = WeightFormat.coerce(fmt)
     match fmt:
@@ -168,14 +188,16 @@ def choose_tile(
                       MXFP4_GROUP)
 
     block_n = max(MIN_DOT, min(128 // halves, _next_pow2(n)))
-    min_block_n = max(MIN_DOT, min(block_n, 32 if fmt is WeightFormat.BF16 else 64))
+    min_block_n = max(MIN_DOT, min(block_n, 32 if fmt is WeightFormat.BF16 and not few_tokens
+                                   else 64))
     if sm_count is not None:
         while (block_n > min_block_n
                and num_programs_per_column * -(-n // block_n) < 2 * sm_count):
             block_n //= 2
     num_warps = 4
 
-    stage_bytes = halves * block_n * block_k * _WEIGHT_BYTES[fmt] + MIN_DOT * block_k * x_itemsize
+    a_itemsize = 8 * prologue_splits if prologue_splits else x_itemsize
+    stage_bytes = halves * block_n * block_k * _WEIGHT_BYTES[fmt] + MIN_DOT * block_k * a_itemsize
     budget = _shared_memory_budget(device_kind)
     num_stages = int(max(2, min(4, budget // max(stage_bytes, 1))))
     f16_dot = fmt in F16_DOT_FORMATS and sm_count is not None  # GPU: the cheap conversions
@@ -202,8 +224,12 @@ def choose_decode_config(
     device, None off GPU: then no occupancy rule and bf16 dots)."""
     busy = expected_distinct_experts(num_tokens, top_k, num_experts)
     common = dict(fp8_block=fp8_block, x_itemsize=x_itemsize, sm_count=sm_count,
-                  device_kind=device_kind, num_programs_per_column=busy)
+                  device_kind=device_kind, num_programs_per_column=busy,
+                  few_tokens=num_tokens <= FEW_TOKENS)
+    gate_up = choose_tile(intermediate_size, hidden_size, fmt, halves=2, **common)
+    splits = gate_up.split_k if gate_up.split_k > 1 else 0
     return MoEDecodeConfig(
-        gate_up=choose_tile(intermediate_size, hidden_size, fmt, halves=2, **common),
-        down=choose_tile(hidden_size, intermediate_size, fmt, halves=1, **common),
+        gate_up=gate_up,
+        down=choose_tile(hidden_size, intermediate_size, fmt, halves=1, prologue_splits=splits,
+                         **common),
     )

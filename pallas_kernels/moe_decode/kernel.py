@@ -153,6 +153,14 @@ def make_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
 # ---------------------------------------------------------------------------------------------
 
 
+def _epilogue(gate, up, activation: Activation, limit: float | None, alpha: float):
+    """``act(gate) * up`` in f32 (SiLU with a limit clamps first: DeepSeek-V4)."""
+    if activation is Activation.SILU and limit is not None:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+    return _gated(gate, up, activation, alpha, limit if limit is not None else 0.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
     """Everything the kernel body specializes on (hashable)."""
@@ -160,10 +168,14 @@ class _Static:
     fmt: WeightFormat
     halves: int  # 2: gate_up (gate and up accumulators, gated epilogue); 1: down
     layout: GateUpLayout  # INTERLEAVED: w [E, N, 2, Kw]; else [E, halves, N, Kw]
-    activation: Activation | None
+    activation: Activation | None  # gate_up epilogue (None: down, or gate_up split over K)
     limit: float | None  # SILU: clamp (None: none); GPT_OSS: its limit
     alpha: float
     gather_rows: bool  # rows of a_ref are tokens (via row_map_ref), else the sorted rows
+    split_k: int  # K ranges, one program each (grid axis 2); partials out [S, P, G, N] f32
+    prologue: Activation | None  # down after a split gate_up: a_ref [S_in, P, 2, K] gate and
+    #   up pre-activation partials, summed and activated per K step (rounded to h_dtype)
+    h_dtype: jnp.dtype  # the intermediate h's dtype (prologue rounding)
     n: int  # output columns per half
     k: int  # contraction length (unpacked)
     block_m: int
@@ -180,18 +192,23 @@ class _Static:
 def expert_matmul_kernel(
     work_ref,  # [3, U] int32: expert id (E: idle), first sorted row, row count
     row_map_ref,  # [P] int32 token of each sorted row (gate_up) | None (down)
-    a_ref,  # [T, K] x (gate_up) | [P, K] h (down): bf16/f16/f32
+    a_ref,  # [T, K] x (gate_up) | [P, K] h (down) | [S_in, P, 2, K] f32 (down, prologue)
     w_ref,  # [E, halves, N, Kw] | [E, N, 2, Kw] (interleaved); Kw = K, or K/2 u8 (FP4)
     scale_ref,  # FP8: [E, cdiv(halves*N, b0), cdiv(K, b1)] f32 | FP4: as w_ref, K/16 or K/32
     global_ref,  # [E, R] f32 (NVFP4) | None
     bias_ref,  # as w_ref without the K axis | None
-    o_ref,  # [P, N] h (bf16/f32) | y (f32), rows in sorted order
+    o_ref,  # [S, P, G, N]: h (bf16/f32; G = 1) | gate, up partials (f32; G = 2) | y (f32)
     *,
     st: _Static,
 ):
     bm, bn, bk = st.block_m, st.block_n, st.block_k
     u = pl.program_id(0)
     n0 = pl.program_id(1) * bn
+    split = pl.program_id(2)  # this program's K range: steps [kb_lo, kb_hi)
+    num_steps = pl.cdiv(st.k, bk)
+    per_split = pl.cdiv(num_steps, st.split_k)
+    kb_lo = split * per_split
+    kb_hi = jnp.minimum(kb_lo + per_split, num_steps)
     e = work_ref[0, u]
     first = work_ref[1, u]
     num_rows = work_ref[2, u]  # 0 for an idle slot: no chunk runs
@@ -272,7 +289,16 @@ def expert_matmul_kernel(
         """[bm, len(cs)] activations of the rows ``src`` at K columns ``kb * bk + cs``."""
         kc = kb * bk + cs
         mask = row_mask[:, None] & (kc < st.k)[None, :] if k_ragged else row_mask[:, None]
-        return plgpu.load(a_ref.at[_grid(src, kc)], mask=mask, other=0.0)
+        if st.prologue is None:
+            return plgpu.load(a_ref.at[_grid(src, kc)], mask=mask, other=0.0)
+
+        def part(g):  # sum over the gate_up splits of gate (g = 0) or up (g = 1)
+            return functools.reduce(jnp.add, [
+                plgpu.load(a_ref.at[jnp.int32(i), src[:, None], jnp.int32(g), kc[None, :]],
+                           mask=mask, other=0.0) for i in range(a_ref.shape[0])])
+
+        h = _epilogue(part(0), part(1), st.prologue, st.limit, st.alpha)
+        return h.astype(st.h_dtype)  # as the unsplit gate_up stores it
 
     def row_scales(src, row_mask):
         """f16 dots: powers of two ``(up, down)`` [bm] with ``amax * up`` in [2^10, 2^11) over
@@ -283,7 +309,7 @@ def expert_matmul_kernel(
             t = a_tile(src, row_mask, kb, jnp.arange(bk, dtype=jnp.int32))
             return jnp.maximum(m, jnp.max(jnp.abs(t.astype(jnp.float32)), axis=1))
 
-        amax = jax.lax.fori_loop(0, pl.cdiv(st.k, bk), body, jnp.zeros((bm,), jnp.float32))
+        amax = jax.lax.fori_loop(kb_lo, kb_hi, body, jnp.zeros((bm,), jnp.float32))
         return _pow2_row_scales(amax)
 
     def load_a(src, row_mask, kb, up):
@@ -318,7 +344,7 @@ def expert_matmul_kernel(
             return tuple(new)
 
         zeros = jnp.zeros((bn, bm) if st.swap_ab else (bm, bn), jnp.float32)
-        accs = jax.lax.fori_loop(0, pl.cdiv(st.k, bk), body, (zeros,) * st.halves)
+        accs = jax.lax.fori_loop(kb_lo, kb_hi, body, (zeros,) * st.halves)
 
         outs = []
         for h, acc in enumerate(accs):
@@ -334,16 +360,14 @@ def expert_matmul_kernel(
                 acc = acc * gs[None, :]
             if bias_ref is not None:
                 b = masked_load(w_at(bias_ref, h), col_mask if n_ragged else None)
-                acc = acc + b.astype(jnp.float32)[None, :]
+                b = b.astype(jnp.float32)
+                if st.split_k > 1:
+                    b = jnp.where(split == 0, b, 0.0)  # once, in the first K range
+                acc = acc + b[None, :]
             outs.append(acc)
         if st.activation is None:
-            return outs[0]
-        gate, up = outs
-        limit = st.limit if st.limit is not None else 0.0
-        if st.activation is Activation.SILU and st.limit is not None:  # DeepSeek-V4 clamp
-            gate = jnp.minimum(gate, limit)
-            up = jnp.clip(up, -limit, limit)
-        return _gated(gate, up, st.activation, st.alpha, limit)
+            return outs  # down: [y]; split gate_up: [gate, up] partials
+        return [_epilogue(*outs, st.activation, st.limit, st.alpha)]
 
     def chunk(c, carry):
         j = c * bm + jnp.arange(bm, dtype=jnp.int32)  # [bm] row within the expert
@@ -352,9 +376,10 @@ def expert_matmul_kernel(
         src = rows
         if st.gather_rows:
             src = plgpu.load(row_map_ref.at[rows], mask=row_mask, other=0)  # [bm] tokens
-        out = compute(src, row_mask)
         mask = row_mask[:, None] & col_mask[None, :] if n_ragged else row_mask[:, None]
-        plgpu.store(o_ref.at[_grid(rows, cols)], out.astype(o_ref.dtype), mask=mask)
+        for g, out in enumerate(compute(src, row_mask)):
+            plgpu.store(o_ref.at[split, rows[:, None], jnp.int32(g), cols[None, :]],
+                        out.astype(o_ref.dtype), mask=mask)
         return carry
 
     jax.lax.fori_loop(0, div(num_rows + bm - 1, bm), chunk, jnp.int32(0))
@@ -383,16 +408,18 @@ def _expert_matmul_pallas(
 ) -> jax.Array:
     # No BlockSpecs: every operand is passed whole (a pointer in Triton); the program finds its
     # expert and rows in the work list, so its blocks start at data-dependent places.
-    grid = (work.shape[1], pl.cdiv(st.n, tile.block_n))  # (expert slots, column tiles)
+    # (expert slots, column tiles, K ranges)
+    grid = (work.shape[1], pl.cdiv(st.n, tile.block_n), st.split_k)
+    planes = 2 if st.halves == 2 and st.activation is None else 1  # split gate_up: gate, up
     return pl.pallas_call(
         functools.partial(expert_matmul_kernel, st=st),
         grid=grid,
-        out_shape=jax.ShapeDtypeStruct((num_rows, st.n), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((st.split_k, num_rows, planes, st.n), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=tile.num_warps,
                                              num_stages=tile.num_stages),
         interpret=interpret,
         name=(f"moe_decode_{name}_{st.fmt.value}{'_f16' if st.f16_dot else ''}"
-              f"_bm{tile.block_m}_bn{tile.block_n}_bk{tile.block_k}"),
+              f"_bm{tile.block_m}_bn{tile.block_n}_bk{tile.block_k}_s{st.split_k}"),
     )(work, row_map, a, w, scale, global_scale, bias)
 
 
@@ -476,17 +503,20 @@ def _split_halves(a, halves: int, layout: GateUpLayout):
     return a.reshape(e, halves, rows // halves, *a.shape[2:])
 
 
-def _launch(a, plan, wts: _Weights, *, fmt, halves, layout, activation, limit, alpha,
-            block_size, tile: DecodeTile, num_rows, out_dtype, interpret, name):
+def _launch(a, plan, wts: _Weights, *, fmt, halves, layout, activation, prologue, limit,
+            alpha, block_size, tile: DecodeTile, num_rows, out_dtype, h_dtype, interpret, name):
+    """One launch: ``[split_k, num_rows, planes, N]`` (planes 2: split gate_up partials)."""
     n = wts.w.shape[1] // halves
-    k = a.shape[1]
+    k = a.shape[-1]
     st = _Static(
         fmt=fmt, halves=halves, layout=layout if halves == 2 else GateUpLayout.CONCATENATED,
         activation=activation, limit=limit, alpha=float(alpha),
-        gather_rows=name == "gate_up", n=n, k=k, block_m=tile.block_m,
+        gather_rows=name == "gate_up", split_k=tile.split_k, prologue=prologue,
+        h_dtype=h_dtype, n=n, k=k, block_m=tile.block_m,
         block_n=tile.block_n, block_k=tile.block_k, swap_ab=tile.swap_ab,
         f16_dot=tile.f16_dot, fp8_block=tuple(block_size), global_rows=wts.global_rows,
-        compute_dtype=jnp.dtype(a.dtype), inline_asm=not interpret)
+        compute_dtype=h_dtype if prologue is not None else jnp.dtype(a.dtype),
+        inline_asm=not interpret)
     scale = wts.scale if fmt is WeightFormat.FP8_BLOCK else _split_halves(wts.scale, halves,
                                                                          st.layout)
     return _expert_matmul_pallas(
@@ -501,8 +531,9 @@ def combine(y_sorted: jax.Array, plan: DecodePlan, x: jax.Array, weights: jax.Ar
             ) -> jax.Array:
     """``sum_j weights[t, j] * (y of pair (t, j), or x[t] for a zero expert)`` in f32.
 
-    ``y_sorted [P, H]`` (rows in sorted order), ``x [T, H]``, ``weights [T, k]`` -> ``[T, H]``.
-    A gather and a k-term sum per token (one XLA fusion): no atomics, a fixed order.
+    ``y_sorted [S, P, H]`` (S split-K partials, rows in sorted order), ``x [T, H]``,
+    ``weights [T, k]`` -> ``[T, H]``. A gather and a (S x k)-term sum per token (one XLA
+    fusion): no atomics, a fixed order.
     """
     pairs = pairs_of(y_sorted, plan)  # [T, k, H], zero-expert pairs 0
     vals = jnp.where(plan.routed[..., None], pairs, x.astype(jnp.float32)[:, None, :])
@@ -510,11 +541,12 @@ def combine(y_sorted: jax.Array, plan: DecodePlan, x: jax.Array, weights: jax.Ar
 
 
 def pairs_of(y_sorted: jax.Array, plan: DecodePlan) -> jax.Array:
-    """Rows of ``y_sorted [P, H]`` in pair order ``[T, k, H]`` f32; zero-expert pairs 0 (their
-    rows were never written)."""
+    """Rows of ``y_sorted [S, P, H]`` (summed over the S split-K partials) in pair order
+    ``[T, k, H]`` f32; zero-expert pairs 0 (their rows were never written)."""
     t, k = plan.row_of_pair.shape
-    pairs = jnp.take(y_sorted, plan.row_of_pair.reshape(-1), axis=0).reshape(t, k, -1)
-    return jnp.where(plan.routed[..., None], pairs.astype(jnp.float32), 0.0)
+    pairs = jnp.take(y_sorted, plan.row_of_pair.reshape(-1), axis=1)  # [S, P, H]
+    pairs = jnp.sum(pairs.astype(jnp.float32), axis=0).reshape(t, k, -1)
+    return jnp.where(plan.routed[..., None], pairs, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -528,7 +560,7 @@ _STATIC = ("fmt", "activation", "gate_up_layout", "limit", "alpha", "block_size"
 def _experts(x, expert_ids, gate_up, down, *, fmt, gate_up_scale, gate_up_global_scale,
              gate_up_bias, down_scale, down_global_scale, down_bias, activation,
              gate_up_layout, limit, alpha, block_size, h_dtype, config, interpret):
-    """Validates, plans and runs both launches: (y_sorted [P, H] f32, plan)."""
+    """Validates, plans and runs both launches: (y_sorted [S, P, H] f32 partials, plan)."""
     fmt = WeightFormat.coerce(fmt)
     activation = Activation.coerce(activation)
     layout = GateUpLayout.coerce(gate_up_layout)
@@ -575,13 +607,16 @@ def _experts(x, expert_ids, gate_up, down, *, fmt, gate_up_scale, gate_up_global
 
     plan = make_plan(expert_ids, e)
     p = plan.token_of_row.shape[0]
-    common = dict(fmt=fmt, layout=layout, activation=None, limit=limit, alpha=alpha,
-                  block_size=block_size, num_rows=p, interpret=interpret)
-    h = _launch(x, plan, gu, halves=2, tile=config.gate_up, out_dtype=h_dtype,
-                name="gate_up", **(common | dict(activation=activation)))  # [P, I]
+    common = dict(fmt=fmt, layout=layout, limit=limit, alpha=alpha, block_size=block_size,
+                  num_rows=p, h_dtype=h_dtype, interpret=interpret)
+    split = config.gate_up.split_k > 1  # gate_up partials, activated in down's prologue
+    h = _launch(x, plan, gu, halves=2, tile=config.gate_up, name="gate_up",
+                out_dtype=jnp.float32 if split else h_dtype, activation=None if split else
+                activation, prologue=None, **common)  # [S1, P, 2, I] | [1, P, 1, I]
+    h = h if split else h.reshape(p, inter)
     y = _launch(h, plan, dn, halves=1, tile=config.down, out_dtype=jnp.float32, name="down",
-                **common)  # [P, H]
-    return y, plan
+                activation=None, prologue=activation if split else None, **common)
+    return y.reshape(config.down.split_k, p, hidden), plan  # [S2, P, H]
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
