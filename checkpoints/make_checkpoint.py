@@ -43,9 +43,8 @@ distinct tokens, and every greedy step's top-1/top-2 margin is far above float32
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import math
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +56,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3MoeConfig
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(HERE / "goldens"))
+hf = importlib.import_module("_hf")  # checkpoints/goldens/_hf.py, shared with the golden scripts
 NAME = "qwen3-moe-tiny"
 SEED = 20261201
 NEW_TOKENS = 16
@@ -93,13 +94,8 @@ def build_model() -> torch.nn.Module:
     gen = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
         for name, t in model.state_dict().items():
-            if not t.is_floating_point():
-                continue
-            if t.ndim == 1:  # RMSNorm weights (the model has no biases)
-                t.copy_(1.0 + 0.25 * torch.randn(t.shape, generator=gen))
-            else:
-                fan_in = 1 if "embed_tokens" in name else t.shape[-1]
-                t.copy_(torch.randn(t.shape, generator=gen) / math.sqrt(fan_in))
+            if t.is_floating_point():  # the only vectors are RMSNorm weights (no biases)
+                hf.randomize_tensor_(name, t, gen)
     return model
 
 
@@ -154,10 +150,6 @@ def check_goldens(g: dict[str, np.ndarray]) -> list[str]:
     return lines
 
 
-def dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-
-
 def write_readme(path: Path, lines: list[str]) -> None:
     text = f"""# {NAME}
 
@@ -199,8 +191,7 @@ def main() -> None:
     dst = args.out / NAME
     nvfp4 = args.out / f"{NAME}-nvfp4"
     for d in (dst, nvfp4):
-        if d.exists():
-            shutil.rmtree(d)
+        hf.remove_dir(d)
 
     model = build_model()
     model.to(torch.bfloat16).save_pretrained(dst)
@@ -211,14 +202,14 @@ def main() -> None:
     assert config["model_type"] == "qwen3_moe" and config["dtype"] == "bfloat16", config
     g = goldens(model)
     lines = check_goldens(g)
-    np.savez(dst / "goldens.npz", **g)
+    hf.save_npz(dst / "goldens.npz", g)
     write_readme(dst, lines)
 
     subprocess.run([args.atlas_python, "-m", "atlas_jax.cli", "quantize", str(dst), str(nvfp4),
                     "--format", "nvfp4", "--quiet"], check=True, cwd=REPO)
     (nvfp4 / "README.md").write_text(NVFP4_README)
     for d in (dst, nvfp4):
-        size = dir_bytes(d)
+        size = hf.dir_bytes(d)
         assert size < MAX_DIR_BYTES, f"{d}: {size} bytes, over {MAX_DIR_BYTES}"
         print(f"{d.relative_to(REPO) if d.is_relative_to(REPO) else d}: {size / 2**20:.2f} MiB")
     print("\n".join(lines))

@@ -27,18 +27,14 @@ from exactly the files on disk.
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import math
-import shutil
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _hf as hf
 import numpy as np
 import torch
-import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.masking_utils import create_causal_mask
 
@@ -120,17 +116,8 @@ FIXTURES = [
 ]
 
 
-def _seed(name: str) -> int:
-    return zlib.crc32(name.encode()) & 0x7FFFFFFF
-
-
 def build_model(fx: Fixture):
-    config = AutoConfig.for_model(
-        fx.model_type,
-        **{**COMMON, **fx.config},
-        attn_implementation="eager",
-        experts_implementation="eager",
-    )
+    config = AutoConfig.for_model(fx.model_type, **{**COMMON, **fx.config}, **hf.EAGER)
     return AutoModelForCausalLM.from_config(config).float().eval()
 
 
@@ -139,14 +126,7 @@ def randomize_(model: torch.nn.Module, gen: torch.Generator) -> None:
     (biases, zero-centred norm weights) N(0, 0.2^2)."""
     with torch.no_grad():
         for name, t in model.named_parameters():
-            if t.ndim == 1:
-                if bool((t == 1).all()):
-                    t.copy_(1.0 + 0.25 * torch.randn(t.shape, generator=gen))
-                else:
-                    t.copy_(0.2 * torch.randn(t.shape, generator=gen))
-            else:
-                fan_in = 1 if "embed" in name else t.shape[-1]
-                t.copy_(torch.randn(t.shape, generator=gen) / math.sqrt(fan_in))
+            hf.randomize_tensor_(name, t, gen, zero_std=0.2)
 
 
 class _Capture:
@@ -209,47 +189,24 @@ def run_attention(model, fx: Fixture, x: torch.Tensor, position_ids: torch.Tenso
 
 
 def make_fixture(fx: Fixture, out_root: Path) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(_seed(fx.name))
-    torch.manual_seed(_seed(fx.name))
+    gen = hf.seeded(hf.name_seed(fx.name))
     model = build_model(fx)
     randomize_(model, gen)
     out_dir = out_root / fx.name
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    for f in out_dir.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            f.unlink()
-        else:
-            f.chmod(0o644)
-    reloaded = (
-        type(model)
-        .from_pretrained(
-            out_dir,
-            attn_implementation="eager",
-            experts_implementation="eager",
-            dtype=torch.float32,
-        )
-        .eval()
-    )
+    reloaded = hf.save_and_reload(model, out_dir)
     x = torch.randn(B, S, H, generator=gen)
     position_ids = torch.arange(S)[None].expand(B, S)
     with torch.no_grad():
         out = run_attention(reloaded, fx, x, position_ids)
         ref = run_attention(model, fx, x, position_ids)
     torch.testing.assert_close(out["y"], ref["y"], rtol=0, atol=0)
-    arrays = {}
-    for k, v in out.items():
-        a = v.detach().cpu().numpy()
-        arrays[k] = a.astype(np.int32) if a.dtype.kind in "iu" else a.astype(np.float32)
+    arrays = hf.to_numpy(out)
     arrays["layer"] = np.asarray(0, dtype=np.int64)
-    np.savez(out_dir / "golden.npz", **arrays)
-    (out_dir / "golden.npz").chmod(0o644)
-    size = sum(p.stat().st_size for p in out_dir.iterdir())
+    hf.save_npz(out_dir / "golden.npz", arrays)
     return {
         "name": fx.name,
         "model_type": fx.model_type,
-        "size_kb": round(size / 1024),
+        "size_kb": round(hf.dir_bytes(out_dir) / 1024),
         "highlights": fx.highlights,
         "rotary_dims": int(arrays["cos"].shape[-1]),
         "attention_scaling": float(arrays["attention_scaling"]),
@@ -258,13 +215,11 @@ def make_fixture(fx: Fixture, out_root: Path) -> dict[str, Any]:
 
 def write_readme(out_root: Path, summaries: list[dict[str, Any]]) -> None:
     lines = [
-        "# Attention golden fixtures (Hugging Face transformers)",
-        "",
-        f"Made with transformers {transformers.__version__}, torch {torch.__version__}, by",
-        "",
-        "    /tmp/hfvenv/bin/python checkpoints/goldens/make_attention_goldens.py "
-        "--out tests/fixtures/attention",
-        "",
+        *hf.readme_head(
+            "Attention golden fixtures (Hugging Face transformers)",
+            "/tmp/hfvenv/bin/python checkpoints/goldens/make_attention_goldens.py "
+            "--out tests/fixtures/attention",
+        ),
         "Each folder: `config.json` + `model.safetensors` (one decoder layer, float32, hidden 64, "
         "vocab 128, every parameter randomized incl. norm weights and biases) and `golden.npz` "
         "for `model.layers[0].self_attn` called as the decoder layer calls it (eager attention, "
@@ -274,8 +229,9 @@ def write_readme(out_root: Path, summaries: list[dict[str, Any]]) -> None:
         "(before output gate / o_proj), `y [2, 9, 64]`, `rope_cos`/`rope_sin [256, R]` (table for "
         "positions 0..255), `attention_scaling`, `layer`.",
         "",
-        "| fixture | model_type | rotated dims R | cos/sin scaling | size | highlights |",
-        "| --- | --- | --- | --- | --- | --- |",
+        *hf.table_head(
+            "fixture", "model_type", "rotated dims R", "cos/sin scaling", "size", "highlights"
+        ),
     ]
     for s in summaries:
         lines.append(
@@ -287,11 +243,8 @@ def write_readme(out_root: Path, summaries: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("tests/fixtures/attention"))
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)
+    parser = hf.fixture_parser(__doc__, Path("tests/fixtures/attention"))
+    args = hf.parse_args(parser, argv)
     summaries = []
     for fx in FIXTURES:
         s = make_fixture(fx, args.out)

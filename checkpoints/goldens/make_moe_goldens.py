@@ -27,14 +27,11 @@ exactly what produced the goldens. ``README.md`` in the output folder is written
 
 from __future__ import annotations
 
-import argparse
-import math
-import shutil
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _hf as hf
 import numpy as np
 import torch
 import transformers
@@ -379,11 +376,10 @@ FIXTURES: list[Fixture] = [
 
 
 def _seed(fx: Fixture) -> int:
-    return (zlib.crc32(fx.name.encode()) + fx.seed_salt) & 0x7FFFFFFF
+    return hf.name_seed(fx.name, fx.seed_salt)
 
 
 def build_config(fx: Fixture):
-    impl = {"attn_implementation": "eager", "experts_implementation": "eager"}
     if fx.model_type == "gemma4":
         text = {**COMMON, **fx.config}
         return transformers.Gemma4Config(
@@ -391,9 +387,9 @@ def build_config(fx: Fixture):
             vision_config=None,
             audio_config=None,
             tie_word_embeddings=True,
-            **impl,
+            **hf.EAGER,
         )
-    return AutoConfig.for_model(fx.model_type, **{**COMMON, **fx.config}, **impl)
+    return AutoConfig.for_model(fx.model_type, **{**COMMON, **fx.config}, **hf.EAGER)
 
 
 def build_model(fx: Fixture):
@@ -432,18 +428,11 @@ def randomize_(model: torch.nn.Module, gen: torch.Generator, fx: Fixture) -> Non
                 continue
             if leaf == "e_score_correction_bias":
                 t.copy_(torch.randn(t.shape, generator=gen) * fx.bias_std)
-            elif t.ndim == 1:
-                if bool((t == 1).all()):
-                    t.copy_(1.0 + 0.25 * torch.randn(t.shape, generator=gen))
-                else:
-                    t.copy_(0.1 * torch.randn(t.shape, generator=gen))
-            else:
-                # gpt-oss stores experts transposed ([E, in, out]); everything else is [.., out, in]
-                transposed = fx.model_type == "gpt_oss" and leaf in ("gate_up_proj", "down_proj")
-                fan_in = t.shape[-2] if transposed else t.shape[-1]
-                if "embed" in name:
-                    fan_in = 1
-                t.copy_(torch.randn(t.shape, generator=gen) / math.sqrt(fan_in))
+                continue
+            # gpt-oss stores experts transposed ([E, in, out]); everything else is [.., out, in]
+            transposed = fx.model_type == "gpt_oss" and leaf in ("gate_up_proj", "down_proj")
+            hf.randomize_tensor_(name, t, gen, zero_std=0.1,
+                                 fan_in=t.shape[-2] if transposed else None)
 
 
 # ----------------------------------------------------------------------------- running a block
@@ -530,14 +519,6 @@ def run_block(model, fx: Fixture, layer_idx: int, x: torch.Tensor, token_ids: to
     return out
 
 
-def _to_numpy(out: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    arrays = {}
-    for k, v in out.items():
-        a = v.detach().cpu().numpy()
-        arrays[k] = a.astype(np.int32) if a.dtype.kind in "iu" else a.astype(np.float32)
-    return arrays
-
-
 # ----------------------------------------------------------------------------- diagnostics
 
 
@@ -592,32 +573,13 @@ def _diagnostics(model, fx: Fixture, layer_idx: int, x: torch.Tensor, arrays) ->
 
 
 def make_fixture(fx: Fixture, out_root: Path) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(_seed(fx))
-    torch.manual_seed(_seed(fx))
+    gen = hf.seeded(_seed(fx))
     model = build_model(fx)
     randomize_(model, gen, fx)
 
     out_dir = out_root / fx.name
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    for extra in out_dir.iterdir():
-        if extra.name not in ("config.json", "model.safetensors"):
-            extra.unlink()
-        else:
-            extra.chmod(0o644)
-
     # Reload from disk so the goldens come from exactly the files we ship.
-    reloaded = (
-        type(model)
-        .from_pretrained(
-            out_dir,
-            attn_implementation="eager",
-            experts_implementation="eager",
-            dtype=torch.float32,
-        )
-        .eval()
-    )
+    reloaded = hf.save_and_reload(model, out_dir)
     x_all = torch.randn(len(fx.layers), T, H, generator=gen)
     token_ids = torch.randint(0, VOCAB, (T,), generator=gen)
     summary: dict[str, Any] = {"name": fx.name, "model_type": fx.model_type, "goldens": []}
@@ -627,29 +589,25 @@ def make_fixture(fx: Fixture, out_root: Path) -> dict[str, Any]:
             out = run_block(reloaded, fx, layer_idx, x, token_ids)
             ref = run_block(model, fx, layer_idx, x, token_ids)
             torch.testing.assert_close(out["y"], ref["y"], rtol=0, atol=0)
-            arrays = _to_numpy(out)
+            arrays = hf.to_numpy(out)
             arrays["x"] = x.numpy().astype(np.float32)
             arrays["layer"] = np.asarray(layer_idx, dtype=np.int64)
             fname = "golden.npz" if i == 0 else f"golden_layer{layer_idx}.npz"
-            np.savez(out_dir / fname, **arrays)
-            (out_dir / fname).chmod(0o644)
+            hf.save_npz(out_dir / fname, arrays)
             notes = _diagnostics(reloaded, fx, layer_idx, x, arrays)
             summary["goldens"].append({"file": fname, "layer": layer_idx, "notes": notes})
-    size = sum(p.stat().st_size for p in out_dir.iterdir())
-    summary["size_kb"] = round(size / 1024)
+    summary["size_kb"] = round(hf.dir_bytes(out_dir) / 1024)
     summary["highlights"] = fx.highlights
     return summary
 
 
 def write_readme(out_root: Path, summaries: list[dict[str, Any]]) -> None:
     lines = [
-        "# MoE golden fixtures (Hugging Face transformers)",
-        "",
-        f"Made with transformers {transformers.__version__}, torch {torch.__version__}, by",
-        "",
-        "    /tmp/hfvenv/bin/python checkpoints/goldens/make_moe_goldens.py "
-        "--out tests/fixtures/moe",
-        "",
+        *hf.readme_head(
+            "MoE golden fixtures (Hugging Face transformers)",
+            "/tmp/hfvenv/bin/python checkpoints/goldens/make_moe_goldens.py "
+            "--out tests/fixtures/moe",
+        ),
         "(`/tmp/hfvenv` is a side venv with torch + transformers + safetensors + numpy.) Each "
         "folder holds `config.json` + `model.safetensors` exactly as `save_pretrained` writes "
         "them (HF's original per-expert key layout where the model type has a conversion "
@@ -666,8 +624,7 @@ def write_readme(out_root: Path, summaries: list[dict[str, Any]]) -> None:
         "`y_routed` (routed experts only). deepseek_v4 adds `token_ids [T]`; gemma4 adds "
         "`y_dense`, `y_moe` (see the script's `_gemma4_block`).",
         "",
-        "| fixture | model_type | goldens (layer) | size | highlights |",
-        "| --- | --- | --- | --- | --- |",
+        *hf.table_head("fixture", "model_type", "goldens (layer)", "size", "highlights"),
     ]
     for s in summaries:
         goldens = ", ".join(f"{g['file']} ({g['layer']})" for g in s["goldens"])
@@ -700,17 +657,12 @@ def write_readme(out_root: Path, summaries: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("tests/fixtures/moe"))
-    parser.add_argument("--only", nargs="*", help="fixture names to (re)make")
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)
+    parser = hf.fixture_parser(__doc__, Path("tests/fixtures/moe"))
+    hf.add_only(parser)
+    args = hf.parse_args(parser, argv)
     available = set(transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES)
     summaries = []
-    for fx in FIXTURES:
-        if args.only and fx.name not in args.only:
-            continue
+    for fx in hf.selected(FIXTURES, args.only):
         if fx.model_type not in available:
             print(
                 f"skip {fx.name}: model type {fx.model_type} not in transformers "

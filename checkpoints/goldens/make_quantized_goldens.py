@@ -27,11 +27,9 @@ by this script.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,10 +38,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import transformers
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+hf = importlib.import_module("_hf")
 mg = importlib.import_module("make_moe_goldens")
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,13 +129,6 @@ DEQUANT_CONFIG = {
 _MAX_ERR = {"fp8": 2.0**-4, "mxfp4": 0.25}
 
 
-def _save_float(model, path: Path) -> None:
-    model.save_pretrained(path, safe_serialization=True)
-    for extra in path.iterdir():
-        if extra.name not in ("config.json", "model.safetensors"):
-            extra.unlink()
-
-
 def _quantize(atlas_python: str, src: Path, dst: Path, fmt: str, shared: bool) -> None:
     cmd = [atlas_python, "-m", "atlas_jax.cli", "quantize", str(src), str(dst), "--format", fmt,
            "--quiet"]
@@ -176,28 +167,21 @@ def _check_dequantized(qfx: QFixture, float_w, deq_w) -> list[str]:
 
 def make_fixture(qfx: QFixture, out_root: Path, atlas_python: str) -> dict[str, Any]:
     fx = qfx.fx
-    gen = torch.Generator().manual_seed(mg._seed(fx))
-    torch.manual_seed(mg._seed(fx))
+    gen = hf.seeded(mg._seed(fx))
     model = mg.build_model(fx)
     mg.randomize_(model, gen, fx)
     (layer,) = fx.layers
 
     out_dir = out_root / fx.name
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
+    hf.remove_dir(out_dir)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "float"
-        _save_float(model, src)
+        hf.save_checkpoint(model, src)
         _quantize(atlas_python, src, out_dir, qfx.fmt, qfx.shared)
 
     quant_cfg = json.loads((out_dir / "config.json").read_text())["quantization_config"]
-    loaded = AutoModelForCausalLM.from_pretrained(
-        out_dir,
-        quantization_config=DEQUANT_CONFIG[qfx.fmt](),
-        dtype=torch.float32,
-        attn_implementation="eager",
-        experts_implementation="eager",
-    ).eval()
+    loaded = hf.load_float32(AutoModelForCausalLM, out_dir,
+                             quantization_config=DEQUANT_CONFIG[qfx.fmt]())
     notes = _check_dequantized(qfx, _expert_weights(model, qfx, layer),
                                _expert_weights(loaded, qfx, layer))
 
@@ -206,33 +190,30 @@ def make_fixture(qfx: QFixture, out_root: Path, atlas_python: str) -> dict[str, 
     with torch.no_grad():
         out = mg.run_block(loaded, fx, layer, x, token_ids)
         ref = mg.run_block(model, fx, layer, x, token_ids)
-    arrays = mg._to_numpy(out)
+    arrays = hf.to_numpy(out)
     arrays["x"] = x.numpy().astype(np.float32)
     arrays["layer"] = np.asarray(layer, dtype=np.int64)
     arrays["y_float"] = ref["y"].numpy().astype(np.float32)
-    np.savez(out_dir / "golden.npz", **arrays)
-    (out_dir / "golden.npz").chmod(0o644)
+    hf.save_npz(out_dir / "golden.npz", arrays)
 
     q_err = float(np.linalg.norm(arrays["y"] - arrays["y_float"]) / np.linalg.norm(arrays["y"]))
     same = bool((np.sort(arrays["expert_ids"], 1) == np.sort(ref["expert_ids"].numpy(), 1)).all())
     notes.append(f"y vs y_float (the block before quantization): rel. error {q_err:.2%}")
     notes.append("routing identical to the float model" if same else "routing differs from float")
     notes += mg._diagnostics(loaded, fx, layer, x, arrays)
-    size = sum(p.stat().st_size for p in out_dir.iterdir())
     return {"name": fx.name, "model_type": fx.model_type, "fmt": qfx.fmt, "layer": layer,
-            "quant_method": quant_cfg["quant_method"], "size_kb": round(size / 1024),
+            "quant_method": quant_cfg["quant_method"],
+            "size_kb": round(hf.dir_bytes(out_dir) / 1024),
             "highlights": fx.highlights, "notes": notes}
 
 
 def write_readme(out_root: Path, summaries: list[dict[str, Any]]) -> None:
     lines = [
-        "# MoE golden fixtures on quantized checkpoints (transformers dequantizes)",
-        "",
-        f"Made with transformers {transformers.__version__}, torch {torch.__version__}, by",
-        "",
-        "    /tmp/hfvenv/bin/python checkpoints/goldens/make_quantized_goldens.py \\",
-        "        --out tests/fixtures/moe_quantized --atlas-python /tmp/venv312/bin/python",
-        "",
+        *hf.readme_head(
+            "MoE golden fixtures on quantized checkpoints (transformers dequantizes)",
+            "/tmp/hfvenv/bin/python checkpoints/goldens/make_quantized_goldens.py \\",
+            "    --out tests/fixtures/moe_quantized --atlas-python /tmp/venv312/bin/python",
+        ),
         "Each folder is a tiny random float32 model (made with `make_moe_goldens.py`'s helpers) "
         "quantized by atlas_jax's own command, `python -m atlas_jax.cli quantize SRC DST "
         "--format mxfp4|fp8 [--shared]`: `config.json` + `model.safetensors` are exactly what "
@@ -249,8 +230,7 @@ def write_readme(out_root: Path, summaries: list[dict[str, Any]]) -> None:
         "our files correctly matches `y` to float32 round-off, while `y_float` is off by the "
         "quantization error listed below.",
         "",
-        "| fixture | model_type | quant_method | layer | size | highlights |",
-        "| --- | --- | --- | --- | --- | --- |",
+        *hf.table_head("fixture", "model_type", "quant_method", "layer", "size", "highlights"),
     ]
     for s in summaries:
         lines.append(f"| `{s['name']}` | {s['model_type']} | {s['quant_method']} | {s['layer']} "
@@ -288,18 +268,13 @@ def write_readme(out_root: Path, summaries: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "tests" / "fixtures" / "moe_quantized")
+    parser = hf.fixture_parser(__doc__, REPO / "tests" / "fixtures" / "moe_quantized")
     parser.add_argument("--atlas-python", default=DEFAULT_ATLAS_PYTHON,
                         help="interpreter of atlas_jax's environment (runs atlas_jax.cli quantize)")
-    parser.add_argument("--only", nargs="*", help="fixture names to (re)make")
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)
+    hf.add_only(parser)
+    args = hf.parse_args(parser, argv)
     summaries = []
-    for qfx in QFIXTURES:
-        if args.only and qfx.name not in args.only:
-            continue
+    for qfx in hf.selected(QFIXTURES, args.only):
         s = make_fixture(qfx, args.out.resolve(), args.atlas_python)
         summaries.append(s)
         print(f"{s['name']:20s} {s['size_kb']:4d} KB")
