@@ -125,6 +125,14 @@ class Backend(enum.Enum):
     XLA = "xla"  # plain-jnp reference
 
 
+class GmmKernel(enum.Enum):
+    """Which Pallas grouped-matmul kernel ``grouped_matmul="pallas"`` runs."""
+
+    AUTO = "auto"  # Mosaic GPU for what it supports on Hopper (sm_90), else Triton
+    TRITON = "triton"  # Triton lowering: every format, every NVIDIA generation
+    MOSAIC = "mosaic"  # Mosaic GPU (TMA + wgmma, warp-specialized): BF16 only, sm_90
+
+
 class MoEPath(enum.Enum):
     """Which MoE variant ``moe_forward`` runs."""
 
@@ -150,6 +158,7 @@ _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
     "grouped_matmul": Backend,
     "paged_attention": Backend,
     "moe_path": MoEPath,
+    "gmm_kernel": GmmKernel,
 }
 
 
@@ -558,6 +567,7 @@ class KernelConfig:
     gmm_block_k: int | None = None  # grouped matmul K step (engine _K32 -> 32)
     gmm_gate_up_block_m: int | None = None  # rows per tile of the gate_up matmul (NVFP4 M128)
     gmm_num_stages: int | None = None  # software pipelining depth (engine W8A16_PIPELINED)
+    gmm_kernel: GmmKernel = GmmKernel.AUTO  # Pallas grouped matmul: "auto" | "triton" | "mosaic"
     attn_gqa_pack: bool = True  # decode: all query heads of one KV head in one program
     attn_num_splits: int | None = None  # decode split-K over pages (None: heuristic)
     attn_block_pages: int | None = None  # pages per attention program step (None: heuristic)

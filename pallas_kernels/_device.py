@@ -18,3 +18,14 @@ def device_kind() -> str | None:
     """``device_kind`` of the default device (e.g. 'NVIDIA H200'), or None when not a GPU."""
     dev = jax.devices()[0]
     return dev.device_kind if dev.platform == "gpu" else None
+
+
+def device_compute_capability() -> tuple[int, int] | None:
+    """CUDA compute capability of the default device (e.g. (9, 0) on Hopper), or None when it
+    is not a CUDA GPU."""
+    dev = jax.devices()[0]
+    cc = getattr(dev, "compute_capability", None) if dev.platform == "gpu" else None
+    if not cc:
+        return None
+    major, minor = str(cc).split(".")[:2]
+    return int(major), int(minor)

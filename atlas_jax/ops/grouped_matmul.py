@@ -6,6 +6,9 @@ QTensor ``[G, N, K]`` of any format. With an ``epilogue`` (a gate_up matmul) the
 ``act(gate) * up`` of width ``N / 2``. The "xla" implementation is the plain-jnp reference
 (dequantize, then ``jax.lax.ragged_dot`` accumulating in float32); the "pallas" one
 (``pallas_kernels.grouped_matmul``) dequantizes inside the kernel and fuses the epilogue.
+``KernelConfig.gmm_kernel`` picks the Pallas kernel: the Triton-lowering one (every format, every
+NVIDIA generation) or the Mosaic GPU one (BF16 on Hopper: TMA + wgmma, warp-specialized);
+"auto" takes Mosaic GPU on sm_90 for what it supports and Triton otherwise (and in interpret mode).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from atlas_jax.config import Activation, Backend, Format, KernelConfig
+from atlas_jax.config import Activation, Backend, Format, GmmKernel, KernelConfig
 from atlas_jax.ops._dispatch import interpret_mode, resolve_backend
 from atlas_jax.ops.activation import GateUp, gated_activation
 from atlas_jax.quant import QTensor, dequantize
@@ -65,20 +68,72 @@ def grouped_matmul_pallas(
     epilogue: GateUp | None = None,
     kernels: KernelConfig | None = None,
 ) -> jax.Array:
+    fused = _kernel_fuses(epilogue)
+    if _use_mosaic(x, w, bias, epilogue if fused else None, kernels):
+        out = _mosaic(x, w, group_sizes, bias, epilogue if fused else None)
+    else:
+        out = _triton(x, w, group_sizes, bias, epilogue if fused else None, kernels)
+    return out if fused or epilogue is None else gated_activation(out, epilogue)
+
+
+def _use_mosaic(x, w: QTensor, bias, epilogue: GateUp | None,
+                kernels: KernelConfig | None) -> bool:
+    """KernelConfig.gmm_kernel, with "auto" resolved: Mosaic GPU on an sm_90 GPU when it supports
+    the problem (BF16 weights and activations, concatenated gate_up, no bias, its shape limits)."""
+    match (kernels or KernelConfig()).gmm_kernel:
+        case GmmKernel.TRITON:
+            return False
+        case GmmKernel.MOSAIC:
+            return True
+        case GmmKernel.AUTO:
+            from pallas_kernels.grouped_matmul import device_compute_capability
+
+            if interpret_mode() or device_compute_capability() != (9, 0):
+                return False
+            return _mosaic_unsupported(x, w, bias, epilogue) is None
+
+
+def _mosaic_unsupported(x, w: QTensor, bias, epilogue: GateUp | None) -> str | None:
+    from pallas_kernels.grouped_matmul import mosaic_unsupported_reason
+
+    if w.format is not Format.BF16:
+        return f"w: the Mosaic GPU grouped matmul takes BF16 weights, got {w.format.value}"
+    n = w.shape[1] // (2 if epilogue is not None else 1)
+    return mosaic_unsupported_reason(
+        x.dtype, w.data.dtype, n, w.shape[2], fused_gate_up=epilogue is not None,
+        gate_up_layout=epilogue.layout.value if epilogue is not None else "concatenated",
+        out_dtype=jnp.float32, bias=bias is not None)
+
+
+def _mosaic(x, w: QTensor, group_sizes, bias, epilogue: GateUp | None) -> jax.Array:
+    from pallas_kernels.grouped_matmul import grouped_matmul_mosaic
+
+    reason = _mosaic_unsupported(x, w, bias, epilogue)
+    if reason:
+        raise NotImplementedError(f"grouped_matmul (gmm_kernel='mosaic'): {reason}")
+    kw = {}
+    if epilogue is not None:
+        kw = dict(activation=epilogue.activation.value, gate_up_layout=epilogue.layout.value)
+        if epilogue.limit is not None:
+            kw["limit"] = epilogue.limit
+    return grouped_matmul_mosaic(x, w.data, group_sizes.astype(jnp.int32),
+                                 out_dtype=jnp.float32, interpret=interpret_mode(), **kw)
+
+
+def _triton(x, w: QTensor, group_sizes, bias, epilogue: GateUp | None,
+            kernels: KernelConfig | None) -> jax.Array:
     from pallas_kernels.grouped_matmul import grouped_matmul as kernel
 
-    fused = _kernel_fuses(epilogue)
     kw = dict(fmt=w.format.value, scale=w.scale, global_scale=w.global_scale, bias=bias,
-              out_dtype=jnp.float32, tile=_tile(x, w, epilogue if fused else None, kernels),
+              out_dtype=jnp.float32, tile=_tile(x, w, epilogue, kernels),
               interpret=interpret_mode())
     if w.format is Format.FP8_BLOCK:
         kw["block_size"] = w.block
-    if fused:
+    if epilogue is not None:
         kw.update(activation=epilogue.activation.value, gate_up_layout=epilogue.layout.value)
         if epilogue.limit is not None:
             kw["limit"] = epilogue.limit
-    out = kernel(x, w.data, group_sizes.astype(jnp.int32), **kw)
-    return out if fused or epilogue is None else gated_activation(out, epilogue)
+    return kernel(x, w.data, group_sizes.astype(jnp.int32), **kw)
 
 
 def _tile(x, w: QTensor, epilogue: GateUp | None, kernels: KernelConfig | None):

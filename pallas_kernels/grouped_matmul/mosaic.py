@@ -309,6 +309,42 @@ def _grouped_matmul_mosaic(tiles, x, w4, *, tile, num_groups, activation, alpha,
     return kernel(tiles, x, w4)
 
 
+def unsupported_reason(x_dtype, w_dtype, n: int, k: int, *, fused_gate_up: bool = False,
+                       gate_up_layout: str = "concatenated", out_dtype=jnp.float32,
+                       bias: bool = False, tile: MosaicTileConfig | None = None) -> str | None:
+    """Why the Mosaic GPU kernel cannot run this problem (``n`` output columns per half), or
+    None when it can: the one list of its limits, raised by ``grouped_matmul_mosaic`` and read
+    by callers that pick between kernels."""
+    out_dtype = jnp.dtype(out_dtype)
+    if bias:
+        return "bias: the Mosaic GPU kernel has no bias epilogue"
+    if fused_gate_up and gate_up_layout != "concatenated":
+        return (f"gate_up_layout: the Mosaic GPU kernel reads concatenated [gate; up] rows only, "
+                f"got {gate_up_layout!r}")
+    for name, dtype in (("x", x_dtype), ("w", w_dtype)):
+        if jnp.dtype(dtype) != jnp.bfloat16:
+            return f"{name}: the Mosaic GPU kernel is bf16 only, got dtype {jnp.dtype(dtype)}"
+    if out_dtype not in [jnp.dtype(d) for d in _OUT_DTYPES]:
+        return f"out_dtype: {out_dtype} not supported (bf16, f32)"
+    if k % 8:
+        return f"x: K={k} must be a multiple of 8 (TMA needs 16-byte row strides)"
+    if n % 8:
+        return f"w: N={n} output columns must be a multiple of 8 (TMA needs 16-byte row strides)"
+    if tile is None:
+        tile = choose_mosaic_tile_config(n, k, fused_gate_up=fused_gate_up,
+                                         out_itemsize=out_dtype.itemsize)
+    if k % tile.block_k:
+        return (f"x: K={k} must be a multiple of block_k={tile.block_k} (Mosaic GPU views x and "
+                f"W in GMEM tiled like their SMEM tiles; a partial K tile does not lower)")
+    if n < tile.block_n:
+        return (f"w: N={n} output columns is less than block_n={tile.block_n} (the last column "
+                f"tile is shifted left to stay inside W)")
+    if tile.epilogue_n * out_dtype.itemsize % 128:
+        return (f"tile.epilogue_n: {tile.epilogue_n} columns of {out_dtype} are not a multiple "
+                f"of 128 bytes (TMA stores start at any row of the epilogue buffer)")
+    return None
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("activation", "gate_up_layout", "alpha", "limit", "out_dtype", "tile",
@@ -335,14 +371,6 @@ def grouped_matmul_mosaic(
     as 0. ``interpret=True`` runs the Mosaic GPU interpreter (CPU tests).
     """
     activation = None if activation is None else Activation.coerce(activation)
-    if gate_up_layout != "concatenated" and activation is not None:
-        raise NotImplementedError(
-            f"gate_up_layout: the Mosaic GPU kernel reads concatenated [gate; up] rows only, "
-            f"got {gate_up_layout!r}")
-    for name, arr in (("x", x), ("w", w)):
-        if arr.dtype != jnp.bfloat16:
-            raise NotImplementedError(
-                f"{name}: the Mosaic GPU kernel is bf16 only, got dtype {arr.dtype}")
     if x.ndim != 2:
         raise ValueError(f"x: expected rank 2 [M, K], got shape {x.shape}")
     if w.ndim != 3:
@@ -361,29 +389,13 @@ def grouped_matmul_mosaic(
         raise ValueError(f"w: a fused gate_up needs an even N = 2I, got N={n_w}")
     n = n_w // halves
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-    if out_dtype not in [jnp.dtype(d) for d in _OUT_DTYPES]:
-        raise NotImplementedError(f"out_dtype: {out_dtype} not supported (bf16, f32)")
-    if k % 8:
-        raise NotImplementedError(
-            f"x: K={k} must be a multiple of 8 (TMA needs 16-byte row strides)")
-    if n % 8:
-        raise NotImplementedError(
-            f"w: N={n} output columns must be a multiple of 8 (TMA needs 16-byte row strides)")
+    reason = unsupported_reason(x.dtype, w.dtype, n, k, fused_gate_up=halves == 2,
+                                gate_up_layout=gate_up_layout, out_dtype=out_dtype, tile=tile)
+    if reason:
+        raise NotImplementedError(reason)
     if tile is None:
         tile = choose_mosaic_tile_config(n, k, fused_gate_up=halves == 2,
                                          out_itemsize=out_dtype.itemsize)
-    if k % tile.block_k:
-        raise NotImplementedError(
-            f"x: K={k} must be a multiple of block_k={tile.block_k} (Mosaic GPU views x and W "
-            f"in GMEM tiled like their SMEM tiles; a partial K tile does not lower)")
-    if n < tile.block_n:
-        raise NotImplementedError(
-            f"w: N={n} output columns is less than block_n={tile.block_n} (the last column "
-            f"tile is shifted left to stay inside W)")
-    if tile.epilogue_n * out_dtype.itemsize % 128:
-        raise NotImplementedError(
-            f"tile.epilogue_n: {tile.epilogue_n} columns of {out_dtype} are not a multiple of "
-            f"128 bytes (TMA stores start at any row of the epilogue buffer)")
     if m == 0:
         return jnp.zeros((0, n), out_dtype)
 
