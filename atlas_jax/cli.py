@@ -178,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "bench", help="run a benchmark script (needs a GPU)",
-        description="Run benchmarks/<script>.py with the remaining arguments (e.g. --quick); "
+        description="Run benchmarks/<script>.py with the remaining arguments (e.g. --quick; "
+                    "paged-attention --prefill runs its prefill section alone); "
                     "`atlas-jax bench NAME --help` shows the script's own options.")
     b.add_argument("name", choices=list(BENCHMARKS),
                    help=", ".join(f"{k}: benchmarks/{v}" for k, v in BENCHMARKS.items()))

@@ -855,10 +855,24 @@ def test_value_errors_under_jit():
 def test_backend_choice():
     p, x, c, t = _inputs()
     y, _ = A.prefill(p, x, c, t, full(2, 0), kernels=KernelConfig(paged_attention="xla"))
-    y2, _ = A.prefill(p, x, c, t, full(2, 0))  # auto: the reference (no Pallas kernel yet)
+    y2, _ = A.prefill(p, x, c, t, full(2, 0))  # auto without a GPU: the reference
     np.testing.assert_array_equal(y, y2)
-    with pytest.raises(NotImplementedError, match="no Pallas prefill kernel yet"):
+    with pytest.raises(NotImplementedError, match="head_dim 16: the Pallas kernels tile D"):
         A.prefill(p, x, c, t, full(2, 0), kernels=KernelConfig(paged_attention="pallas"))
+
+
+def test_prefill_pallas_equals_xla():
+    """The Pallas prefill kernel (interpret mode) == the reference, for a ragged prompt batch
+    (the second row's last token is padding); the cache written is the same either way."""
+    p = make(head_dim=64)
+    x, t = rand_x(2, 5), tables_for(2)
+    lens = jnp.array([5, 4])
+    want, c1 = A.prefill(p, x, fresh(p.config), t, full(2, 0), lengths=lens,
+                         kernels=KernelConfig(paged_attention="xla"))
+    got, c2 = A.prefill(p, x, fresh(p.config), t, full(2, 0), lengths=lens,
+                        kernels=KernelConfig(paged_attention="pallas"))
+    assert rel(got, want) < 1e-4  # float32 pages: f32 dots in the kernel
+    jax.tree.map(np.testing.assert_array_equal, c1, c2)
 
 
 def test_cache_and_params_errors():

@@ -1,5 +1,5 @@
-"""attention.decode through the Pallas decode kernel (interpret mode on CPU) equals the XLA
-reference path, for every KV dtype; prefill under "pallas" raises (no prefill kernel yet)."""
+"""attention.decode and attention.prefill through the Pallas kernels (interpret mode on CPU)
+equal the XLA reference path."""
 
 import jax
 import jax.numpy as jnp
@@ -47,10 +47,12 @@ def test_decode_pallas_window_softcap_splits():
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
 
 
-def test_prefill_pallas_raises_and_auto_falls_back():
-    params, cache, tables = setup(aj.KVDtype.BF16)
-    x = jax.random.normal(jax.random.key(4), (2, 2, 128))
-    with pytest.raises(NotImplementedError, match="no Pallas prefill kernel yet"):
-        aj.attention.prefill(params, x, cache, tables, jnp.array([13, 9]), kernels=PALLAS)
-    y, _ = aj.attention.prefill(params, x, cache, tables, jnp.array([13, 9]))  # auto
-    assert np.isfinite(np.asarray(y)).all()
+def test_prefill_pallas_chunk_after_prefix_equals_xla():
+    """A chunk of 6 after the cached 13 / 9 tokens, the second row 2 tokens of padding."""
+    params, cache, tables = setup(aj.KVDtype.NVFP4)
+    x = jax.random.normal(jax.random.key(4), (2, 6, 128))
+    start, lens = jnp.array([13, 9]), jnp.array([6, 4])
+    want, c1 = aj.attention.prefill(params, x, cache, tables, start, lengths=lens, kernels=XLA)
+    got, c2 = aj.attention.prefill(params, x, cache, tables, start, lengths=lens, kernels=PALLAS)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+    jax.tree.map(np.testing.assert_array_equal, c1, c2)

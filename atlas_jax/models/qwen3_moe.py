@@ -52,7 +52,7 @@ from atlas_jax.attention.layer import attention_step, linear
 from atlas_jax.attention.norm import add_rms_norm, rms_norm
 from atlas_jax.attention.params import AttentionParams
 from atlas_jax.checkpoint import Checkpoint, load_attention_layer, load_moe_layer
-from atlas_jax.config import Backend, Format, KernelConfig, KVDtype, MoEConfig, _text_config
+from atlas_jax.config import Format, KernelConfig, KVDtype, MoEConfig, _text_config
 from atlas_jax.moe import MoEParams, moe_forward
 from atlas_jax.ops.activation import GateUp, gated_activation
 from atlas_jax.ops.grouped_matmul import compute_dtype
@@ -214,15 +214,6 @@ def new_caches(params: Qwen3MoEParams, num_pages: int,
                  for layer in params.layers)
 
 
-def prefill_kernels(kernels: KernelConfig | None) -> KernelConfig | None:
-    """The kernels of a prefill: there is no Pallas prefill attention kernel yet, so an explicit
-    paged_attention="pallas" (which the decode steps use) becomes "auto" there (the reference;
-    the grouped matmul keeps its choice)."""
-    if kernels is None or kernels.paged_attention is not Backend.PALLAS:
-        return kernels
-    return kernels.replace(paged_attention=Backend.AUTO)
-
-
 @functools.partial(jax.jit, static_argnames=("num_pages", "kv_dtype", "kernels", "all_logits"))
 def _prefill(params, ids, lengths, tables, *, num_pages, kv_dtype, kernels, all_logits):
     """Fresh caches, the prompts written. ``all_logits``: logits ``[B, S, V]`` (forward); else
@@ -382,7 +373,7 @@ class Qwen3MoE:
         needed = np.full((len(batch.lengths),), pt, np.int32)
         out = _prefill(self.params, batch.ids, batch.lengths, _tables(needed, pt),
                        num_pages=int(needed.sum()), kv_dtype=self.kv_dtype,
-                       kernels=prefill_kernels(self.kernels), all_logits=True)
+                       kernels=self.kernels, all_logits=True)
         return out[:b, :s]
 
     def generate(self, input_ids, max_new_tokens: int, *, lengths=None) -> jax.Array:
@@ -413,7 +404,7 @@ class Qwen3MoE:
         t0 = time.perf_counter()
         tok, caches = _prefill(self.params, batch.ids, batch.lengths, tables,
                                num_pages=num_pages, kv_dtype=self.kv_dtype,
-                               kernels=prefill_kernels(self.kernels), all_logits=False)
+                               kernels=self.kernels, all_logits=False)
         if timed:
             tok.block_until_ready()
         t1 = time.perf_counter()

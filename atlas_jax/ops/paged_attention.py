@@ -11,15 +11,24 @@ sink). Slots no query sees (unused table entries, positions past the queries) ma
 NaN included: they never reach the output.
 
 The "xla" implementation is the plain-jnp reference: gather each sequence's pages,
-dequantize, logits and softmax in float32 (HIGHEST matmul precision). The "pallas" one is the
-split-K decode kernel of ``pallas_kernels.paged_attention`` (GQA-packed, KV dequantized in
-registers); it serves decode steps (``seq_lens`` given: the S queries are the last S positions
-of each sequence). There is no Pallas prefill kernel yet: "pallas" raises for a prefill call
-and "auto" uses the reference for it.
+dequantize, logits and softmax in float32 (HIGHEST matmul precision). The "pallas" one runs the
+kernels of ``pallas_kernels.paged_attention`` (GQA-packed, KV dequantized in registers, in
+interpret mode without a GPU): the split-K decode kernel for decode steps (``seq_lens`` given:
+the S queries are the last S positions of each sequence) and the flash-attention prefill kernel
+for everything else (queries at any ``q_pos``: a prompt, or a chunk after a cached prefix).
+Both need head_dim in 64/128/256/512 and a power-of-two page size: "pallas" raises
+NotImplementedError otherwise, and "auto" (Pallas on a GPU) falls back to the reference.
+
+The KV write (``PagedKVCache.write``: quantize + slot-mapping scatter) stays an XLA fusion in
+front of the kernel, not fused into it: it moves the chunk's K/V once (``S * Hk * D`` elements,
+tens of microseconds for a 16k-token prompt) against milliseconds of prefill attention, and for
+decode a few tokens' worth; ``benchmarks/paged_attention.py --prefill`` times it beside the
+kernel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import jax
@@ -91,6 +100,18 @@ def _check(q, cache, block_tables, q_pos, sinks) -> None:
         raise ValueError(f"paged_attention: sinks must be [{hq}], got {sinks.shape}")
 
 
+def pallas_unsupported(q: jax.Array, cache: PagedKVCache) -> str | None:
+    """Why the Pallas kernels cannot run this call (None: they can)."""
+    from pallas_kernels.paged_attention import HEAD_DIMS
+
+    d, p = q.shape[-1], cache.page_size
+    if d not in HEAD_DIMS:
+        return f"head_dim {d}: the Pallas kernels tile D in {HEAD_DIMS}"
+    if p & (p - 1):
+        return f"page_size {p}: the Pallas kernels need a power of two"
+    return None
+
+
 def paged_attention(
     q: jax.Array,  # [B, S, Hq, D]
     cache: PagedKVCache,
@@ -108,19 +129,27 @@ def paged_attention(
     _check(q, cache, block_tables, q_pos, sinks)
     backend = (kernels or KernelConfig()).paged_attention
     op = "paged_attention decode" if seq_lens is not None else "paged_attention prefill"
-    match resolve_backend(op, backend, pallas_available=seq_lens is not None):
+    unsupported = pallas_unsupported(q, cache)
+    opts = dict(scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
+                sinks=sinks)
+    match resolve_backend(op, backend, unsupported=unsupported):
         case Backend.XLA:
-            return paged_attention_reference(
-                q, cache, block_tables, q_pos, scale=scale, sliding_window=sliding_window,
-                logit_softcap=logit_softcap, sinks=sinks)
+            return paged_attention_reference(q, cache, block_tables, q_pos, **opts)
+        case Backend.PALLAS if unsupported is not None:
+            raise NotImplementedError(f"paged_attention: {unsupported}; use "
+                                      "KernelConfig(paged_attention='auto' or 'xla')")
         case Backend.PALLAS if seq_lens is None:
-            raise NotImplementedError(
-                "paged_attention: no Pallas prefill kernel yet (the Pallas kernel serves decode "
-                "steps); use KernelConfig(paged_attention='auto' or 'xla') for prefill")
+            return paged_prefill_pallas(q, cache, block_tables, q_pos, **opts, kernels=kernels)
         case Backend.PALLAS:
-            return paged_attention_pallas(
-                q, cache, block_tables, seq_lens, scale=scale, sliding_window=sliding_window,
-                logit_softcap=logit_softcap, sinks=sinks, kernels=kernels)
+            return paged_attention_pallas(q, cache, block_tables, seq_lens, **opts,
+                                          kernels=kernels)
+
+
+def _pages(cache: PagedKVCache) -> dict:
+    """The cache's arrays as the kernels take them (scales as they are stored)."""
+    return dict(k_pages=cache.k.data, v_pages=cache.v.data, kv_dtype=cache.dtype.value,
+                k_scale=cache.k.scale, v_scale=cache.v.scale,
+                k_global_scale=cache.k.global_scale, v_global_scale=cache.v.global_scale)
 
 
 def paged_attention_pallas(
@@ -135,7 +164,7 @@ def paged_attention_pallas(
     sinks: jax.Array | None = None,
     kernels: KernelConfig | None = None,
 ) -> jax.Array:  # [B, Q, Hq, D] float32
-    """The decode kernel over the cache's pages (its scales as they are stored)."""
+    """The decode kernel over the cache's pages."""
     from pallas_kernels.paged_attention import DecodeConfig, paged_decode
 
     k = kernels or KernelConfig()
@@ -146,10 +175,48 @@ def paged_attention_pallas(
     if not k.attn_gqa_pack:
         raise NotImplementedError("paged_attention: the Pallas decode kernel always packs the "
                                   "query heads of a KV head (attn_gqa_pack=False is not built)")
+    pages = _pages(cache)
     return paged_decode(
-        q, cache.k.data, cache.v.data, block_tables.astype(jnp.int32),
-        seq_lens.astype(jnp.int32), kv_dtype=cache.dtype.value,
-        k_scale=cache.k.scale, v_scale=cache.v.scale,
-        k_global_scale=cache.k.global_scale, v_global_scale=cache.v.global_scale,
-        scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks,
-        config=config, out_dtype=jnp.float32, interpret=interpret_mode())
+        q, pages.pop("k_pages"), pages.pop("v_pages"), block_tables.astype(jnp.int32),
+        seq_lens.astype(jnp.int32), **pages, scale=scale, sliding_window=sliding_window,
+        logit_softcap=logit_softcap, sinks=sinks, config=config, out_dtype=jnp.float32,
+        interpret=interpret_mode())
+
+
+def paged_prefill_pallas(
+    q: jax.Array,  # [B, S, Hq, D]
+    cache: PagedKVCache,
+    block_tables: jax.Array,  # [B, Pt] int32
+    q_pos: jax.Array,  # [B, S] int32, -1: padding
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,
+    kernels: KernelConfig | None = None,
+) -> jax.Array:  # [B, S, Hq, D] float32
+    """The prefill kernel over the cache's pages. ``attn_block_pages`` sets its pages per
+    step, ``attn_gqa_pack=False`` one query head per program; the rest is its heuristic's."""
+    from pallas_kernels.paged_attention import (
+        choose_prefill_config,
+        device_sm_count,
+        paged_prefill,
+    )
+
+    k = kernels or KernelConfig()
+    b, s, hq, d = q.shape
+    g = hq // cache.num_kv_heads
+    config = choose_prefill_config(max(b, 1), cache.num_kv_heads, g, max(s, 1),
+                                   max(block_tables.shape[1], 1), cache.page_size, d,
+                                   cache.dtype.value, device_sm_count())
+    if k.attn_block_pages is not None:
+        config = dataclasses.replace(config, pages_per_step=k.attn_block_pages)
+    if not k.attn_gqa_pack:
+        config = dataclasses.replace(config, q_heads_per_program=1,
+                                     block_q=min(128, config.rows(g)))
+    pages = _pages(cache)
+    return paged_prefill(
+        q, pages.pop("k_pages"), pages.pop("v_pages"), block_tables.astype(jnp.int32),
+        q_pos.astype(jnp.int32), **pages, scale=scale, sliding_window=sliding_window,
+        logit_softcap=logit_softcap, sinks=sinks, config=config, out_dtype=jnp.float32,
+        interpret=interpret_mode())

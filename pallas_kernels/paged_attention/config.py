@@ -1,5 +1,5 @@
-"""Static configuration of paged-attention decode: the KV dtype enum, the decode config, and the
-heuristic that picks it.
+"""Static configuration of paged attention: the KV dtype enum, the decode and prefill configs,
+and the heuristics that pick them.
 
 Everything here is hashable and validated at construction, so it can be a static argument of
 ``jax.jit``. Nothing here imports ``atlas_jax``: ``KVDtype.coerce`` accepts any enum member (or
@@ -69,6 +69,10 @@ def _next_pow2(v: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(v, 1))))
 
 
+def _prev_pow2(v: int) -> int:
+    return 1 << max(0, int(v).bit_length() - 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """Launch shape of the split-K decode kernel.
@@ -124,7 +128,6 @@ class DecodeConfig:
             )
 
 
-
 def choose_decode_config(
     batch: int,
     num_kv_heads: int,
@@ -149,6 +152,7 @@ def choose_decode_config(
       splits spend more on the reduce and on the pipeline prologue than they win). With
       ``sm_count=None`` (no GPU: interpret mode) there is one split.
     * Stages: as many steps in flight as ~160 KB of shared memory holds (2..4).
+    * Warps: 8 for large register tiles and for FP8 / NVFP4 pages (in-register conversion).
     """
     kv_dtype = KVDtype.coerce(kv_dtype)
     for name, v in (
@@ -187,3 +191,152 @@ def choose_decode_config(
     # Warps: the f32 accumulator [R, D] and the q block stay in registers across the loop.
     num_warps = 8 if rows * head_dim >= 16384 or tile >= 32768 else 4
     return DecodeConfig(pages_per_step, num_splits, num_warps, num_stages)
+
+
+MAX_PREFILL_ROWS = 256  # block_q * heads a program packs, padded to a power of two
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Launch shape of the prefill kernel.
+
+    The grid is ``(num_kv_heads * G / q_heads_per_program, ceil(S / block_q), batch)``. One
+    program takes ``block_q`` consecutive queries of one sequence and ``q_heads_per_program``
+    query heads of one kv head (``None``: all ``G`` of them, GQA packing) -- a query block of
+    ``block_q * heads`` rows -- and walks the sequence's pages ``pages_per_step`` at a time
+    (``pages_per_step * page_size`` tokens a step, a power of two >= 16).
+    """
+
+    block_q: int  # queries (tokens) of one program (power of two)
+    pages_per_step: int  # pages gathered per inner-loop step (power of two)
+    q_heads_per_program: int | None = None  # None: all G query heads of the kv head
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name, top in (("block_q", 256), ("pages_per_step", 256)):
+            v = getattr(self, name)
+            if not _is_pow2(v) or v > top:
+                raise ValueError(
+                    f"PrefillConfig.{name}: expected a power of two in [1, {top}], got {v!r}"
+                )
+        h = self.q_heads_per_program
+        if h is not None and (not isinstance(h, int) or isinstance(h, bool) or h <= 0):
+            raise ValueError(
+                f"PrefillConfig.q_heads_per_program: expected a positive int or None, got {h!r}"
+            )
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(
+                f"PrefillConfig.num_warps: expected one of 1, 2, 4, 8, 16, got {self.num_warps!r}"
+            )
+        s = self.num_stages
+        if not isinstance(s, int) or isinstance(s, bool) or not 1 <= s <= 8:
+            raise ValueError(f"PrefillConfig.num_stages: expected an int in [1, 8], got {s!r}")
+
+    def tokens_per_step(self, page_size: int) -> int:
+        return self.pages_per_step * page_size
+
+    def heads(self, q_per_kv: int) -> int:
+        """Query heads one program packs."""
+        return q_per_kv if self.q_heads_per_program is None else self.q_heads_per_program
+
+    def rows(self, q_per_kv: int) -> int:
+        """Rows of a program's query block: block_q * heads, padded to a power of two >= 16."""
+        return max(MIN_DOT, _next_pow2(self.block_q * self.heads(q_per_kv)))
+
+    def check(self, page_size: int, q_per_kv: int) -> None:
+        """Raises ValueError when this config cannot run with ``page_size`` and ``G``."""
+        t = self.tokens_per_step(page_size)
+        if t < MIN_DOT or t > 1024:
+            raise ValueError(
+                f"PrefillConfig.pages_per_step: pages_per_step * page_size = "
+                f"{self.pages_per_step} * {page_size} = {t} tokens per step; the kernel needs "
+                f"[{MIN_DOT}, 1024] (tl.dot extents)"
+            )
+        h = self.heads(q_per_kv)
+        if q_per_kv % h:
+            raise ValueError(
+                f"PrefillConfig.q_heads_per_program: expected a divisor of the {q_per_kv} query "
+                f"heads per kv head, got {h}"
+            )
+        if self.rows(q_per_kv) > MAX_PREFILL_ROWS:
+            raise ValueError(
+                f"PrefillConfig.block_q: block_q * heads = {self.block_q} * {h} rows exceed "
+                f"{MAX_PREFILL_ROWS}"
+            )
+
+
+def choose_prefill_config(
+    batch: int,
+    num_kv_heads: int,
+    q_per_kv: int,
+    q_len: int,
+    max_pages: int,
+    page_size: int,
+    head_dim: int,
+    kv_dtype: KVDtype | str,
+    sm_count: int | None,
+) -> PrefillConfig:
+    """Pure heuristic: a prefill config from static shapes, the KV dtype and the SM count.
+
+    * Rows: prefill is bound by the two dots per step, so the query block is made as tall as
+      the f32 accumulator ``[R, D]`` allows in registers: R = 128 at D <= 128, 64 at D = 256,
+      32 at D = 512, packing all G heads of the kv head (each K/V tile then feeds
+      ``block_q * G`` rows). When G alone exceeds that, a program takes the largest divisor of
+      G that fits and ``block_q = 1``. ``block_q`` never exceeds the chunk's (pow2) length.
+    * Grid: when ``batch * num_kv_heads * tiles`` falls short of two programs per SM (short
+      chunks), ``block_q`` halves (down to 16 rows) so more SMs have work.
+    * Tokens per step: 64 at D <= 128 (f32 pages: 32), 32 at D = 256, 16 at D = 512 -- the
+      dequantized K and V tiles ``[T, D]`` and the logits ``[R, T]`` live in registers --
+      never fewer than 16 nor many more pages than the block table has.
+    * Warps 8 once ``R * D >= 16K`` accumulator elements, else 4; stages as many as ~96 KB of
+      raw K+V bytes hold (2..3).
+    """
+    kv_dtype = KVDtype.coerce(kv_dtype)
+    for name, v in (
+        ("batch", batch),
+        ("num_kv_heads", num_kv_heads),
+        ("q_per_kv", q_per_kv),
+        ("q_len", q_len),
+        ("max_pages", max_pages),
+        ("page_size", page_size),
+        ("head_dim", head_dim),
+    ):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"choose_prefill_config: {name} must be a positive int, got {v!r}")
+    if not _is_pow2(page_size):
+        raise ValueError(
+            f"choose_prefill_config: page_size must be a power of two, got {page_size}"
+        )
+
+    target = max(MIN_DOT, min(128, 16384 // head_dim))  # rows
+    if q_per_kv <= target:
+        heads = None
+        block_q = max(1, _prev_pow2(target // q_per_kv))
+    else:  # more query heads per kv head than rows: split the group
+        heads = max(h for h in range(1, target + 1) if q_per_kv % h == 0)
+        block_q = 1
+    block_q = min(block_q, _next_pow2(q_len))
+    packed = q_per_kv if heads is None else heads
+    if sm_count:
+        while block_q > 1 and block_q * packed > MIN_DOT:
+            programs = batch * num_kv_heads * (q_per_kv // packed) * -(-q_len // block_q)
+            if programs >= 2 * sm_count:
+                break
+            block_q //= 2
+
+    tokens = 64 if head_dim <= 128 else 8192 // head_dim
+    if kv_dtype is KVDtype.FLOAT32:
+        tokens = max(MIN_DOT, tokens // 2)
+    pages_per_step = max(1, tokens // page_size)
+    pages_per_step = min(pages_per_step, _next_pow2(max_pages))
+    pages_per_step = max(pages_per_step, _next_pow2(-(-MIN_DOT // page_size)))
+    pages_per_step = min(pages_per_step, 256)
+
+    cfg = PrefillConfig(block_q, pages_per_step, heads)
+    rows = cfg.rows(q_per_kv)
+    tile = pages_per_step * page_size * head_dim
+    stage_bytes = 2 * tile * kv_dtype.bytes_per_element
+    num_stages = int(max(2, min(3, (96 * 1024) // max(stage_bytes, 1))))
+    num_warps = 8 if rows * head_dim >= 16384 else 4
+    return dataclasses.replace(cfg, num_warps=num_warps, num_stages=num_stages)
