@@ -568,9 +568,9 @@ class KernelConfig:
     gmm_gate_up_block_m: int | None = None  # rows per tile of the gate_up matmul (NVFP4 M128)
     gmm_num_stages: int | None = None  # software pipelining depth (engine W8A16_PIPELINED)
     gmm_kernel: GmmKernel = GmmKernel.AUTO  # Pallas grouped matmul: "auto" | "triton" | "mosaic"
-    attn_gqa_pack: bool = True  # decode: all query heads of one KV head in one program
+    attn_gqa_pack: bool = True  # all query heads of one KV head in one program (decode: must)
     attn_num_splits: int | None = None  # decode split-K over pages (None: heuristic)
-    attn_block_pages: int | None = None  # pages per attention program step (None: heuristic)
+    attn_block_pages: int | None = None  # pages per decode / prefill program step (None: heur.)
 
     def __post_init__(self) -> None:
         _coerce_enums(self)

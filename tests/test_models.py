@@ -102,9 +102,8 @@ def test_generate_matches_transformers(model, goldens):
 
 
 def test_generate_through_pallas_kernels(goldens):
-    """kernels="pallas" (the Pallas kernels where they apply, in interpret mode on CPU: the
-    paged decode kernel; prefill attention stays on the reference) gives transformers' greedy
-    tokens."""
+    """kernels="pallas" (the Pallas kernels where they apply, in interpret mode on CPU; the
+    paged prefill and decode attention kernels included) gives transformers' greedy tokens."""
     m = aj.models.load(TINY, kv_dtype=KVDtype.FLOAT32, dtype=jnp.float32, kernels="pallas",
                        progress=False)
     tokens = m.generate(prompt(goldens, 0)[None], max_new_tokens=3)
