@@ -19,6 +19,17 @@ Step 2 times (median of repeats, ``benchmarks/_common.time_jax``):
   ``a2a share`` = exchange / EP time.
 
 Scaling efficiency = t(1 dev) / (D * t(EP=D)) (strong scaling: the same 4096 tokens).
+
+``--diagnose`` (GPU) first locates any mismatch, then runs the benchmark:
+
+0. the grouped matmul at one expert shard's shapes (``E/D`` experts: gate_up ``[E/D, 2I, H]``,
+   down ``[E/D, H, I]``, 16 rows per expert), Pallas vs the XLA reference, once as shipped and
+   once with the int32-offset workaround (``pallas_kernels._offsets``) switched off;
+1. per token count (``--diagnose-tokens``, default 256,4096), rel. errors of the one-GPU Pallas
+   forward, each EP transport with Pallas and EP with the XLA grouped matmul, against the
+   one-GPU XLA reference (``jax.lax.ragged_dot``; only up to 1024 tokens: at 4096 it needs
+   ~112 GiB) and against the one-GPU Pallas forward.
+
 ``NCCL_NVLS_ENABLE=0`` (NVLink multicast off) is set here unless the environment sets it.
 """
 
@@ -37,6 +48,8 @@ ARGS.add_argument("--format", default="fp8_block", help="expert weight format")
 ARGS.add_argument("--transports", default=None, help="comma list of ragged,dense")
 ARGS.add_argument("--iters", type=int, default=None, help="calls per timing repeat")
 ARGS.add_argument("--out", default=None, help="append the markdown table to this file")
+ARGS.add_argument("--diagnose", action="store_true", help="locate a mismatch first (see above)")
+ARGS.add_argument("--diagnose-tokens", default="256,4096", help="token counts of --diagnose")
 
 
 def _setup_env(args) -> None:
@@ -133,6 +146,74 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+# ---- --diagnose ---------------------------------------------------------------------------------
+
+XLA_REFERENCE_MAX_TOKENS = 1024  # jax.lax.ragged_dot over 256 experts needs ~28 MiB per token
+
+
+def diagnose_kernel(params, cfg: MoEConfig, d: int, *, rows_per_expert: int = 16) -> None:
+    """Step 0: ops.grouped_matmul (Pallas) vs its XLA reference on one expert shard's weights,
+    with the int32-offset workaround on (as shipped) and off (the bug it works around)."""
+    from atlas_jax import ops
+    from atlas_jax.ops.activation import GateUp
+    from pallas_kernels import _offsets
+
+    el = cfg.num_experts // d
+    pallas, xla = (aj.KernelConfig(grouped_matmul=b) for b in ("pallas", "xla"))
+    shard = {name: dataclasses.replace(jax.tree_util.tree_map(lambda a: a[:el], q),
+                                       shape=(el, *q.shape[1:]))
+             for name, q in (("gate_up", params.gate_up), ("down", params.down))}
+    m = el * rows_per_expert
+    sizes = jnp.full((el,), rows_per_expert, jnp.int32)
+    ex = np.arange(m) // rows_per_expert  # expert of each row
+    for name, q in shard.items():
+        x = jax.random.normal(jax.random.key(2), (m, q.shape[2]), jnp.bfloat16)
+        epi = GateUp.of(cfg) if name == "gate_up" else None
+        ref = np.asarray(ops.grouped_matmul(x, q, sizes, epilogue=epi, kernels=xla))
+        saved = _offsets.INT64_INDEXED_BYTES
+        for label, limit in (("as shipped", saved), ("workaround off", 0)):
+            _offsets.INT64_INDEXED_BYTES = limit
+            jax.clear_caches()
+            try:
+                out = np.asarray(ops.grouped_matmul(x, q, sizes, epilogue=epi, kernels=pallas))
+            finally:
+                _offsets.INT64_INDEXED_BYTES = saved
+            per = [rel_err(out[ex == e], ref[ex == e]) for e in range(el)]
+            bad = [e for e in range(el) if per[e] > 2e-2]
+            print(f"  kernel {name} {q.format.value} {tuple(q.shape)} ({q.data.nbytes / 2**30:.2f}"
+                  f" GiB), {label}: rel. error {rel_err(out, ref):.2e}; experts with error > 2e-2: "
+                  f"{len(bad)}{f' (first {bad[0]}, last {bad[-1]})' if bad else ''}", flush=True)
+    jax.clear_caches()
+
+
+def diagnose_forward(params, sharded, mesh, cfg: MoEConfig, transports, tokens: int) -> None:
+    """Step 1 at one token count: every variant against the one-GPU references."""
+    d = mesh.shape["expert"]
+    x = jax.random.normal(jax.random.key(3), (tokens, cfg.hidden_size), jnp.bfloat16)
+    x_split = jax.device_put(x, NamedSharding(mesh, P("expert")))
+    pallas, xla = (aj.KernelConfig(grouped_matmul=b) for b in ("pallas", "xla"))
+    one = jax.jit(aj.moe_forward, static_argnames="kernels")  # jit: no eager f32 weight copies
+    ep = jax.jit(parallel.moe_forward_parallel,
+                 static_argnames=("mesh", "expert_axis", "kernels", "transport"))
+    outs = {"1 GPU pallas": np.asarray(one(params, x, kernels=pallas))}
+    if tokens <= XLA_REFERENCE_MAX_TOKENS:
+        outs["1 GPU xla"] = np.asarray(one(params, x, kernels=xla))
+    for t in transports:
+        outs[f"EP={d} {t.value} pallas"] = np.asarray(
+            ep(sharded, x_split, mesh, expert_axis="expert", kernels=pallas, transport=t))
+    if tokens <= XLA_REFERENCE_MAX_TOKENS:
+        outs[f"EP={d} {transports[0].value} xla"] = np.asarray(ep(
+            sharded, x_split, mesh, expert_axis="expert", kernels=xla, transport=transports[0]))
+    for ref in ("1 GPU xla", "1 GPU pallas"):
+        if ref not in outs:
+            continue
+        for name, y in outs.items():
+            if name != ref:
+                err = rel_err(y, outs[ref])
+                print(f"  {tokens} tokens: {name} vs {ref}: rel. error {err:.2e} "
+                      f"({'ok' if err < 2e-2 else 'MISMATCH'})", flush=True)
+
+
 def main(args) -> None:
     tiny = args.tiny
     d = args.devices
@@ -160,6 +241,13 @@ def main(args) -> None:
     ids = jax.device_put(aj.moe.route(params, x).expert_ids, NamedSharding(mesh, P("expert")))
     counts = np.bincount(np.asarray(ids).reshape(-1) // (cfg.num_experts // d), minlength=d)
     print(f"rows per device: {counts.tolist()} (max/mean {counts.max() / counts.mean():.3f})")
+
+    if args.diagnose:
+        print("diagnose 0: grouped matmul on one expert shard's weights", flush=True)
+        diagnose_kernel(params, cfg, d)
+        for n in (int(v) for v in args.diagnose_tokens.split(",")):
+            print(f"diagnose 1: forward at {n} tokens", flush=True)
+            diagnose_forward(params, sharded, mesh, cfg, transports, n)
 
     single = jax.jit(lambda p, x: aj.moe_forward(p, x))
     y1 = single(params, x)

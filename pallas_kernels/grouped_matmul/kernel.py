@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._device import device_kind, device_sm_count
+from pallas_kernels._offsets import check_offsets, int32_offsets_overflow, pair_view
 from pallas_kernels.grouped_matmul.config import (
     FP8_ACT_GROUP,
     MXFP4_GROUP,
@@ -132,6 +133,7 @@ class _Static:
     fp8_block: tuple[int, int]
     global_rows: int  # NVFP4: rows of W (over all halves) sharing one global scale
     compute_dtype: jnp.dtype  # dot operand dtype
+    w_pairs: bool  # w_ref is the uint16 view of 1-byte weights (pallas_kernels._offsets)
     alpha: float
     limit: float
 
@@ -190,21 +192,35 @@ def grouped_matmul_kernel(
         other = 0 if jnp.issubdtype(ref_at.dtype, jnp.integer) else 0.0
         return plgpu.load(ref_at, mask=mask, other=other)
 
+    def load_w_cols(g, h, kb, step, row_len):
+        """``[bn, step]`` of ``w_ref[g, h]``'s columns ``[kb*step, (kb+1)*step)`` (masked past
+        N and ``row_len``). With ``st.w_pairs`` w_ref holds byte pairs as uint16 (low byte
+        first): read ``step/2`` pairs and split them into int32 byte values."""
+        if st.w_pairs:
+            step, row_len = step // 2, row_len // 2
+        mask_parts = [col_mask[:, None]] if n_ragged else []
+        if st.k % bk:
+            mask_parts.append((kb * step + jnp.arange(step) < row_len)[None, :])
+        mask = functools.reduce(jnp.logical_and, mask_parts) if mask_parts else None
+        w = masked_load(w_ref.at[w_index(g, h, pl.ds(n0, bn), pl.ds(kb * step, step))], mask)
+        if not st.w_pairs:
+            return w
+        pairs = w.astype(jnp.int32)
+        return _interleave_cols(pairs & 0xFF, pairs >> 8)
+
     def load_w(g, h, kb):
         """Returns ([bn, bk] dot operand, [bn] f32 per-column scale of this K step or None)."""
-        k0 = kb * bk
         k_ragged = st.k % bk != 0
         mask_parts = []
         if n_ragged:
             mask_parts.append(col_mask[:, None])
         match st.fmt:
             case WeightFormat.BF16 | WeightFormat.FP8_BLOCK:
-                if k_ragged:
-                    mask_parts.append((k0 + jnp.arange(bk) < st.k)[None, :])
-                mask = functools.reduce(jnp.logical_and, mask_parts) if mask_parts else None
-                w = masked_load(w_ref.at[w_index(g, h, pl.ds(n0, bn), pl.ds(k0, bk))], mask)
+                w = load_w_cols(g, h, kb, bk, st.k)
                 if st.fmt is WeightFormat.BF16:
                     return w.astype(st.compute_dtype), None
+                if st.w_pairs:  # int32 bytes -> e4m3
+                    w = jax.lax.bitcast_convert_type(w.astype(jnp.uint8), jnp.float8_e4m3fn)
                 b0, b1 = st.fp8_block
                 s_idx = (g, div(orig_rows(h), b0), div(kb, b1 // bk))
                 s = (
@@ -216,15 +232,11 @@ def grouped_matmul_kernel(
             case WeightFormat.NVFP4 | WeightFormat.MXFP4:
                 group = NVFP4_GROUP if st.fmt is WeightFormat.NVFP4 else MXFP4_GROUP
                 kp, ks = bk // 2, bk // group  # packed bytes, scales per K step
-                p_parts, s_parts = list(mask_parts), list(mask_parts)
+                s_parts = list(mask_parts)
                 if k_ragged:
-                    p_parts.append((kb * kp + jnp.arange(kp) < st.k // 2)[None, :])
                     s_parts.append((kb * ks + jnp.arange(ks) < st.k // group)[None, :])
-                p_mask = functools.reduce(jnp.logical_and, p_parts) if p_parts else None
                 s_mask = functools.reduce(jnp.logical_and, s_parts) if s_parts else None
-                packed = masked_load(
-                    w_ref.at[w_index(g, h, pl.ds(n0, bn), pl.ds(kb * kp, kp))], p_mask
-                ).astype(jnp.int32)  # [bn, bk/2]
+                packed = load_w_cols(g, h, kb, kp, st.k // 2).astype(jnp.int32)  # [bn, bk/2]
                 raw_s = masked_load(
                     scale_ref.at[w_index(g, h, pl.ds(n0, bn), pl.ds(kb * ks, ks))], s_mask
                 )  # [bn, bk/group]
@@ -580,6 +592,16 @@ def grouped_matmul(
     w4 = split_rows(w)
     scale_k = scale if fmt is WeightFormat.FP8_BLOCK else split_rows(scale)
     bias3 = split_rows(bias)
+    w_pairs = int32_offsets_overflow(w4.shape, w4.dtype)
+    if w_pairs:
+        if k_w % 2:
+            raise NotImplementedError(
+                f"w: {w.shape} {w.dtype} needs the uint16 view (int32 offsets would overflow), "
+                f"which needs an even last dim, got {k_w}"
+            )
+        w4 = pair_view(w4)
+    check_offsets(dict(x=x, x_scale=x_scale, w=w4, scale=scale_k, global_scale=global_scale,
+                        bias=bias3))
 
     st = _Static(
         fmt=fmt,
@@ -598,6 +620,7 @@ def grouped_matmul(
         fp8_block=tuple(block_size),
         global_rows=global_rows,
         compute_dtype=jnp.dtype(compute_dtype),
+        w_pairs=w_pairs,
         alpha=float(alpha),
         limit=float(limit),
     )
