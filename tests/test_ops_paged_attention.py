@@ -56,3 +56,23 @@ def test_prefill_pallas_chunk_after_prefix_equals_xla():
     got, c2 = aj.attention.prefill(params, x, cache, tables, start, lengths=lens, kernels=PALLAS)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
     jax.tree.map(np.testing.assert_array_equal, c1, c2)
+
+
+def test_one_byte_cache_of_2_to_4_gib_is_not_given_to_the_kernels():
+    """An FP8 cache array of more than 2**31 elements in at most 2**32 bytes would be indexed
+    with overflowing int32 offsets by Pallas' Triton lowering: "pallas" raises, "auto" names it.
+    (Abstract shapes only: nothing of that size is allocated.)"""
+    from atlas_jax.ops.paged_attention import paged_attention, pallas_unsupported
+
+    cfg = aj.AttentionConfig(hidden_size=1024, num_heads=32, num_kv_heads=8, head_dim=128)
+    q = jax.ShapeDtypeStruct((1, 1, 32, 128), jnp.bfloat16)
+    for pages, bad in ((150_000, True), (120_000, False), (300_000, False)):
+        cache = jax.eval_shape(lambda n=pages: aj.PagedKVCache.create(n, 16, cfg, aj.KVDtype.FP8))
+        reason = pallas_unsupported(q, cache)
+        assert (reason is not None) == bad, (pages, reason)
+    cache = jax.eval_shape(lambda: aj.PagedKVCache.create(150_000, 16, cfg, aj.KVDtype.FP8))
+    assert "int32 offsets" in pallas_unsupported(q, cache)
+    with pytest.raises(NotImplementedError, match="int32 offsets"):
+        jax.eval_shape(lambda q, c: paged_attention(
+            q, c, jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 1), jnp.int32), scale=0.1,
+            seq_lens=jnp.ones(1, jnp.int32), kernels=PALLAS), q, cache)
