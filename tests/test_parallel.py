@@ -195,6 +195,8 @@ def test_ragged_transport_lowers_to_ragged_all_to_all():
         kernels=aj.KernelConfig(), transport=parallel.Transport.RAGGED, out_shape=(8, H)
     ).as_text()
     assert text.count("ragged_all_to_all") == 2  # rows out, results back
+    # "auto" takes the dense transport (measured 12x faster than ragged on 2 x H200)
+    assert parallel._resolve_transport("auto", mesh) is parallel.Transport.DENSE
 
 
 # ---- errors -----------------------------------------------------------------------------------
