@@ -2,7 +2,8 @@
 torch._grouped_mm (bf16), JAX's ragged_dot_mgpu (bf16) and jax.lax.ragged_dot, with the dense
 bf16 matmul rate and HBM bandwidth measured in the same run.
 
-    python benchmarks/grouped_matmul.py [--quick] [--out results.md]
+    python benchmarks/grouped_matmul.py [--quick] [--tokens 512 4096 ...] [--all-formats]
+        [--shapes ...] [--out results.md]
 
 Step 1 checks the kernel against the plain-jnp reference on the GPU (every format, fused
 activation, W8A8, skewed and empty groups); step 2 times. Needs a GPU (torch optional).
@@ -168,18 +169,18 @@ def mgpu_ragged_dot(n: int):
     return lambda x, w, group_sizes: f(x, w, group_sizes=group_sizes)
 
 
-def bench(quick: bool, shapes: list[str]) -> tuple[list[dict], dict]:
+def bench(token_counts: list[int], shapes: list[str], all_formats: bool = False
+          ) -> tuple[list[dict], dict]:
     import time
 
     ceilings = dict(hbm=hbm_copy_bandwidth(), mm=dense_matmul_rate())
     rows = []
-    token_counts = [4096] if quick else [512, 4096, 16384]
     key = jax.random.key(1)
     for shape in shapes:
         h, inter, e, k = SHAPES[shape]
         for op, (n, kdim) in (("gate_up", (2 * inter, h)), ("down", (h, inter))):
             for tokens in token_counts:
-                formats = FORMATS if tokens == 4096 else ["bf16", "nvfp4"]
+                formats = FORMATS if tokens == 4096 or all_formats else ["bf16", "nvfp4"]
                 m = tokens * k
                 gs = routing_group_sizes(jax.random.fold_in(key, tokens), tokens, e, k)
                 x = jax.random.normal(jax.random.fold_in(key, 7), (m, kdim), jnp.bfloat16)
@@ -233,6 +234,10 @@ def bench(quick: bool, shapes: list[str]) -> tuple[list[dict], dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="4096 tokens only")
+    parser.add_argument("--tokens", type=int, nargs="+", help="token counts (default 512 4096 "
+                        "16384; --quick: 4096)")
+    parser.add_argument("--all-formats", action="store_true",
+                        help="every format at every token count (default: all at 4096 only)")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--out", type=Path, help="write the markdown tables here")
@@ -250,7 +255,8 @@ def main() -> None:
         bad = [r for r in check if r["ok"] != "yes"]
         if bad:
             print(f"{len(bad)} correctness failures", flush=True)
-    rows, ceilings = bench(args.quick, args.shapes)
+    tokens = args.tokens or ([4096] if args.quick else [512, 4096, 16384])
+    rows, ceilings = bench(tokens, args.shapes, args.all_formats)
     cols = ["shape", "op", "tokens", "format", "us", "tflops", "torch_tflops", "vs_torch",
             "mgpu_tflops", "vs_mgpu", "ragged_dot_tflops", "frac_dense"]
     lines += [f"HBM copy {ceilings['hbm'] / 1e12:.2f} TB/s, dense bf16 matmul "

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._dequant import F16_FP4_FACTOR, e2m1_to_f32, e8m0_to_f32, fp4_to_f16_scaled
 from pallas_kernels._device import device_kind, device_sm_count
 from pallas_kernels._offsets import check_offsets, int32_offsets_overflow, pair_view
 from pallas_kernels.grouped_matmul.config import (
@@ -66,26 +67,11 @@ _OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _X_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 # ---------------------------------------------------------------------------------------------
-# In-kernel dequantization (elementwise; no table gathers, which Triton has no cheap form of).
+# In-kernel dequantization helpers (the conversions themselves: pallas_kernels._dequant).
 # ---------------------------------------------------------------------------------------------
 
 
-def _e2m1_to_f32(codes):
-    """int32 E2M1 codes in [0, 16) -> float32, built from bits.
-
-    For magnitude code ``m = eem`` (exponent e, mantissa m) the float32 with exponent field
-    ``e + 126`` and mantissa top bit ``m`` is ``2^(e-1) * (1 + m/2)``: exact for e > 0. The two
-    subnormal codes (0 -> 0, 1 -> 0.5) are ``mag * 0.5``. Bit 3 is the sign.
-    """
-    mag = codes & 7
-    normal = jax.lax.bitcast_convert_type((mag << 22) + (126 << 23), jnp.float32)
-    val = jnp.where(mag < 2, mag.astype(jnp.float32) * 0.5, normal)
-    return jnp.where(codes >= 8, -val, val)
-
-
-def _e8m0_to_f32(bits):
-    """int32 E8M0 bits -> 2^(bits - 127) as float32 (bits = 0 gives 0 instead of 2^-127)."""
-    return jax.lax.bitcast_convert_type(bits << 23, jnp.float32)
+_e2m1_to_f32, _e8m0_to_f32 = e2m1_to_f32, e8m0_to_f32  # old names (moe_decode, tests)
 
 
 def _repeat_cols(s, times: int):
@@ -133,6 +119,7 @@ class _Static:
     fp8_block: tuple[int, int]
     global_rows: int  # NVFP4: rows of W (over all halves) sharing one global scale
     compute_dtype: jnp.dtype  # dot operand dtype
+    inline_asm: bool  # GPU: FP4 unpack in PTX (interpret mode: the same bits in jnp)
     w_pairs: bool  # w_ref is the uint16 view of 1-byte weights (pallas_kernels._offsets)
     alpha: float
     limit: float
@@ -236,18 +223,22 @@ def grouped_matmul_kernel(
                 if k_ragged:
                     s_parts.append((kb * ks + jnp.arange(ks) < st.k // group)[None, :])
                 s_mask = functools.reduce(jnp.logical_and, s_parts) if s_parts else None
-                packed = load_w_cols(g, h, kb, kp, st.k // 2).astype(jnp.int32)  # [bn, bk/2]
+                packed = load_w_cols(g, h, kb, kp, st.k // 2).astype(jnp.uint8)  # [bn, bk/2]
                 raw_s = masked_load(
                     scale_ref.at[w_index(g, h, pl.ds(n0, bn), pl.ds(kb * ks, ks))], s_mask
                 )  # [bn, bk/group]
-                if st.fmt is WeightFormat.NVFP4:
-                    s = raw_s.astype(jnp.float32)
-                else:
-                    s = _e8m0_to_f32(raw_s.astype(jnp.int32))
+                # f16 e2m1 * 2^-14 of the even / odd k (two values per 32-bit op in PTX); the
+                # 2^14 multiplies the accumulator once.
+                lo, hi = fp4_to_f16_scaled(packed, st.inline_asm)  # [bn, bk/2] each
+                if st.fmt is WeightFormat.NVFP4:  # e2m1 * 2^-14 * e4m3: exact in f16
+                    s = raw_s.astype(jnp.float16)
+                else:  # 2^(E-127) does not fit f16: scale in f32
+                    s = e8m0_to_f32(raw_s.astype(jnp.int32))
+                    lo, hi = lo.astype(jnp.float32), hi.astype(jnp.float32)
                 s = _repeat_cols(s, group // 2)  # [bn, bk/2]: scale of byte j is s[j*2//group]
-                lo = _e2m1_to_f32(packed & 0xF) * s  # even k
-                hi = _e2m1_to_f32(packed >> 4) * s  # odd k
-                return _interleave_cols(lo, hi).astype(st.compute_dtype), None
+                # Exact in the dot dtype (<= 6 significant bits, within range), so the order of
+                # the interleave and the cast does not matter.
+                return _interleave_cols(lo * s, hi * s).astype(st.compute_dtype), None
 
     def compute(g):
         def body(kb, accs):
@@ -290,6 +281,8 @@ def grouped_matmul_kernel(
         for h, acc in enumerate(accs):
             if st.swap_ab:
                 acc = acc.T  # [bm, bn]
+            if st.fmt in (WeightFormat.NVFP4, WeightFormat.MXFP4):
+                acc = acc * F16_FP4_FACTOR  # fp4_to_f16_scaled's 2^-14
             if global_ref is not None:
                 g_idx = (g, div(orig_rows(h), st.global_rows))
                 gs = (
@@ -620,6 +613,7 @@ def grouped_matmul(
         fp8_block=tuple(block_size),
         global_rows=global_rows,
         compute_dtype=jnp.dtype(compute_dtype),
+        inline_asm=not interpret,
         w_pairs=w_pairs,
         alpha=float(alpha),
         limit=float(limit),

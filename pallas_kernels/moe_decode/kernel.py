@@ -49,6 +49,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._dequant import (  # noqa: F401 (old names, read by the tests)
+    _FP4_TO_F16_ASM,
+)
+from pallas_kernels._dequant import F16_FP4_FACTOR as _F16_NVFP4_FACTOR
+from pallas_kernels._dequant import e2m1_to_f16_scaled as _e2m1_to_f16_scaled  # noqa: F401
+from pallas_kernels._dequant import e2m1_to_f32 as _e2m1_to_f32
+from pallas_kernels._dequant import e8m0_to_f32 as _e8m0_to_f32
+from pallas_kernels._dequant import fp4_to_f16_scaled as _fp4_to_f16_scaled
 from pallas_kernels._device import device_kind, device_sm_count
 from pallas_kernels.grouped_matmul.config import (
     MXFP4_GROUP,
@@ -57,54 +65,16 @@ from pallas_kernels.grouped_matmul.config import (
     GateUpLayout,
     WeightFormat,
 )
-from pallas_kernels.grouped_matmul.kernel import _e2m1_to_f32, _e8m0_to_f32, _gated, _repeat_cols
+from pallas_kernels.grouped_matmul.kernel import _gated, _repeat_cols
 from pallas_kernels.grouped_matmul.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT
 from pallas_kernels.moe_decode.config import DecodeTile, MoEDecodeConfig, choose_decode_config
 from pallas_kernels.paged_attention.decode import (
-    _e2m1_to_f16_scaled,
     _grid,
     _pow2_row_scales,
     _zero_like,
 )
 
 _X_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-_F16_NVFP4_FACTOR = 2.0**14  # _e2m1_to_f16_scaled gives e2m1 * 2^-14
-
-# ---------------------------------------------------------------------------------------------
-# NVFP4 unpack for f16 dots.
-# ---------------------------------------------------------------------------------------------
-
-# Four packed bytes per instance -> four f16 ``e2m1 * 2^-14`` ($0: bytes 0, 1; $1: bytes 2, 3)
-# of their low nibbles (even k, SHIFT_M 9, SHIFT_S 12) or high nibbles (odd k, 5 and 8): ``prmt``
-# spreads two bytes into the two 16-bit lanes, then each nibble's magnitude bits go to bits
-# 9-11 and its sign bit to bit 15 (``_e2m1_to_f16_scaled``'s bit placement, two lanes per
-# 32-bit op): ~2.5 instructions per value instead of ~6 for the per-element int32 version.
-# (Two launches of the asm, not one with two results: Pallas lowers a multi-result
-# elementwise_inline_asm to a single value.)
-_FP4_TO_F16_ASM = """{
-.reg .b32 t, a, b, z;
-mov.b32 z, 0;
-cvt.u32.u16 t, $1;
-prmt.b32 t, t, z, 0x4140;
-shl.b32 a, t, SHIFT_M; and.b32 a, a, 0x0E000E00;
-shl.b32 b, t, SHIFT_S; and.b32 b, b, 0x80008000;
-or.b32 $0, a, b;
-}"""
-
-
-def _fp4_to_f16_scaled(packed, inline_asm: bool):
-    """uint8 ``[r, c]`` packed E2M1 pairs -> (low nibbles, high nibbles) as f16 ``e2m1 * 2^-14``
-    ``[r, c]`` each. ``inline_asm``: the PTX above (GPU); else the same bits in jnp."""
-    if inline_asm:
-        out = jax.ShapeDtypeStruct(packed.shape, jnp.float16)
-        return tuple(
-            plgpu.elementwise_inline_asm(
-                _FP4_TO_F16_ASM.replace("SHIFT_M", str(m)).replace("SHIFT_S", str(s)),
-                args=[packed], constraints="=r,h", pack=2, result_shape_dtypes=[out])[0]
-            for m, s in ((9, 12), (5, 8)))
-    codes = packed.astype(jnp.int32)
-    return _e2m1_to_f16_scaled(codes), _e2m1_to_f16_scaled(codes >> 4)
-
 
 # ---------------------------------------------------------------------------------------------
 # The plan: pairs sorted by expert, one work entry per distinct expert (on device).

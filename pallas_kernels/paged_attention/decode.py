@@ -22,7 +22,8 @@ cast to bf16). FP8 and NVFP4 pages become f16 dot operands: on sm_90 Triton conv
 with one ``cvt.rn.f16x2.e4m3x2`` per two values but e4m3 -> bf16 takes that plus two
 ``cvt.bf16.f16``, and conversions issue at a fraction of the FP32 rate, so the bf16 route would
 make FP8 decode conversion-bound. e4m3 -> f16 is exact. NVFP4 codes become f16 by bit
-placement, ``((c & 7) << 9) | ((c & 8) << 12)`` = ``e2m1 * 2^-14`` (subnormal codes included),
+placement, ``((c & 7) << 9) | ((c & 8) << 12)`` = ``e2m1 * 2^-14`` (subnormal codes included;
+``pallas_kernels._dequant.fp4_to_f16_scaled``: two values per 32-bit op in PTX on the GPU),
 times the f16 block scale: exact (<= 5 significant bits) unless ``e2m1 * scale < 2^-6``, where
 the f16 product is subnormal and may round (a block 2^15 times below its row's amax). f16 needs
 a bounded q: each query row is scaled by a power of two to ``|q| < 2^11`` (exact) and the
@@ -59,6 +60,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._dequant import (
+    F16_FP4_FACTOR,
+    fp4_to_f16_scaled,
+)
+from pallas_kernels._dequant import e2m1_to_f16_scaled as _e2m1_to_f16_scaled  # noqa: F401
 from pallas_kernels._device import device_sm_count
 from pallas_kernels.paged_attention.config import (
     HEAD_DIMS,
@@ -85,17 +91,6 @@ _PAGE_DTYPES = {
 # ---------------------------------------------------------------------------------------------
 # In-kernel helpers (elementwise: no table lookups, which Triton has no cheap form of).
 # ---------------------------------------------------------------------------------------------
-
-
-def _e2m1_to_f16_scaled(codes):
-    """int32 E2M1 codes (low 4 bits) -> float16 ``e2m1 * 2^-14``, by bit placement.
-
-    The magnitude bits ``eem`` go to the lowest two exponent bits and the top mantissa bit of
-    an f16, the sign to the sign bit: for e > 0 that is ``2^(e-15) * (1 + m/2)``, for e = 0 the
-    subnormal ``m * 2^-15``; both are ``e2m1 * 2^-14``. A few integer ops, no selects.
-    """
-    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
-    return jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
 
 
 def _pow2_row_scales(amax):
@@ -164,6 +159,12 @@ class _Static:
     scale: float
     sliding_window: int | None
     logit_softcap: float | None
+    inline_asm: bool  # GPU: NVFP4 unpack in PTX (interpret mode: the same bits in jnp)
+
+    @property
+    def split_d(self) -> bool:
+        """NVFP4 tiles are split into their even and odd d (module docstring)."""
+        return self.kv_dtype is KVDtype.NVFP4
 
     @property
     def tokens_per_step(self) -> int:
@@ -208,7 +209,6 @@ def paged_decode_kernel(
     h, split, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     nq, g, d, p = st.q_len, st.group, st.head_dim, st.page_size
     r_pad, t_step, pps = st.rows, st.tokens_per_step, st.pages_per_step
-    nvfp4 = st.kv_dtype is KVDtype.NVFP4
     div, rem = jax.lax.div, jax.lax.rem  # non-negative operands: no floor fix-ups
 
     # ---- the query block: row r = i * G + g ----
@@ -218,8 +218,8 @@ def paged_decode_kernel(
     q_rows = (b * nq + qi) * st.num_q_heads + h * g + gi  # [R] rows of q_ref / final o_ref
     row_mask = row_ok[:, None]
     # Column sets: NVFP4 splits D into the even and odd columns (the low and high nibbles).
-    col = jnp.arange(d // 2 if nvfp4 else d, dtype=jnp.int32)
-    col_sets = (2 * col, 2 * col + 1) if nvfp4 else (col,)
+    col = jnp.arange(d // 2 if st.split_d else d, dtype=jnp.int32)
+    col_sets = (2 * col, 2 * col + 1) if st.split_d else (col,)
 
     q_halves = tuple(
         plgpu.load(q_ref.at[_grid(q_rows, cols)], mask=row_mask, other=0.0).astype(jnp.float32)
@@ -266,18 +266,16 @@ def paged_decode_kernel(
                 return (raw,), None
             case KVDtype.FP8:
                 s = plgpu.load(scale_ref.at[rows], mask=tok_ok, other=0.0)  # [T] f32
-                return (raw.astype(jnp.float16),), s  # exact
+                return (raw.astype(jnp.float16),), s  # exact; cvt.rn.f16x2.e4m3x2
             case KVDtype.NVFP4:
-                codes = raw.astype(jnp.int32)  # [T, D/2]
                 s_cols = jnp.arange(scale_ref.shape[1], dtype=jnp.int32)
                 blk = plgpu.load(
                     scale_ref.at[_grid(rows, s_cols)], mask=mask, other=0.0
                 )  # [T, D/16] e4m3
                 blk = _repeat_cols(blk.astype(jnp.float16), NVFP4_GROUP // 2)  # [T, D/2]
-                lo_vals = _e2m1_to_f16_scaled(codes) * blk  # even d, * 2^-14
-                hi_vals = _e2m1_to_f16_scaled(codes >> 4) * blk  # odd d, * 2^-14
+                lo, hi = fp4_to_f16_scaled(raw, st.inline_asm)  # even d, odd d; * 2^-14
                 gs = plgpu.load(global_ref.at[rows], mask=tok_ok, other=0.0)  # [T] f32
-                return (lo_vals, hi_vals), gs * 2.0**14
+                return (lo * blk, hi * blk), gs * F16_FP4_FACTOR
 
     logit_factor = st.scale * LOG2E  # logits in base 2 from here on
 
@@ -332,7 +330,7 @@ def paged_decode_kernel(
             new_accs.append(acc * out_scale + (pv if step_scale is None else pv * step_scale))
         return tuple(new_accs), m_next, l_next
 
-    d_acc = d // 2 if nvfp4 else d
+    d_acc = d // 2 if st.split_d else d
     accs = tuple(jnp.zeros((r_pad, d_acc), jnp.float32) for _ in q_halves)
     m_i = jnp.full((r_pad,), -jnp.inf, jnp.float32)
     l_i = jnp.zeros((r_pad,), jnp.float32)
@@ -670,6 +668,7 @@ def paged_decode(
         scale=float(scale),
         sliding_window=sliding_window,
         logit_softcap=None if logit_softcap is None else float(logit_softcap),
+        inline_asm=not interpret,
     )
     return _paged_decode_pallas(
         seq_lens.astype(jnp.int32),

@@ -1,0 +1,101 @@
+"""In-kernel dequantization shared by the Pallas kernels (grouped matmul, MoE decode, paged
+decode): the one home of the bit-level conversions of E2M1 (NVFP4 / MXFP4 values), E8M0 (MXFP4
+scales) and E4M3 (FP8 scales) codes. (E4M3 values need no helper: Triton converts e4m3 -> f16
+with one packed ``cvt.rn.f16x2.e4m3x2`` per two values; the same instruction as inline PTX took
+more instructions in the sm_90 build, a ``prmt`` per pair to pack the asm's 16-bit operand.)
+
+Everything is elementwise on register tiles: no table gathers, which Triton has no cheap form
+of. The packed conversions have two paths that give the same bits: inline PTX through
+``plgpu.elementwise_inline_asm`` (``inline_asm=True``, the GPU: two values per 32-bit op) and a
+plain-jnp twin (``inline_asm=False``: interpret mode, where PTX cannot run).
+``tests/test_dequant.py`` checks the twins against the formats' reference dequantization on
+every code and the PTX's bit logic, emulated, against the twins on every input.
+
+Scaled f16 results. f16 has 5 exponent bits, so E2M1 codes are placed into an f16 *below*
+their value, ``e2m1 * 2^-14`` (``F16_FP4_FACTOR``): exact for every code (the smallest land on
+f16 subnormals, which f16 arithmetic and f16 MMAs keep); the caller multiplies the factor back
+once, on an f32 per-row / per-column / per-token factor or the accumulator. A product
+``e2m1 * 2^-14 * s`` with an E4M3 block scale ``s`` is exact in f16 as well: ``e2m1`` has 2
+significant bits with the lowest >= 2^-1, ``s`` 4 with the lowest >= 2^-9, so the product has
+<= 6 significant bits, all >= 2^-24 (the f16 subnormal step), and stays below
+``6 * 448 * 2^-14 < 1``. (So is its cast to bf16: 6 bits fit bf16's 8, and 2^-24 is far inside
+bf16's normal range.)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+F16_FP4_FACTOR = 2.0**14  # fp4_to_f16_scaled / e2m1_to_f16_scaled give e2m1 * 2^-14
+
+# ---------------------------------------------------------------------------------------------
+# Scalar-per-element conversions (jnp; Triton lowers them to a few integer ops each).
+# ---------------------------------------------------------------------------------------------
+
+
+def e2m1_to_f32(codes):
+    """int32 E2M1 codes in [0, 16) -> float32, built from bits.
+
+    For magnitude code ``m = eem`` (exponent e, mantissa m) the float32 with exponent field
+    ``e + 126`` and mantissa top bit ``m`` is ``2^(e-1) * (1 + m/2)``: exact for e > 0. The two
+    subnormal codes (0 -> 0, 1 -> 0.5) are ``mag * 0.5``. Bit 3 is the sign.
+    """
+    mag = codes & 7
+    normal = jax.lax.bitcast_convert_type((mag << 22) + (126 << 23), jnp.float32)
+    val = jnp.where(mag < 2, mag.astype(jnp.float32) * 0.5, normal)
+    return jnp.where(codes >= 8, -val, val)
+
+
+def e8m0_to_f32(bits):
+    """int32 E8M0 bits -> 2^(bits - 127) as float32 by placing them in the exponent field
+    (bits = 0 gives 0 instead of 2^-127, 255 gives inf instead of NaN)."""
+    return jax.lax.bitcast_convert_type(bits << 23, jnp.float32)
+
+
+def e2m1_to_f16_scaled(codes):
+    """int32 E2M1 codes (low 4 bits) -> float16 ``e2m1 * 2^-14``, by bit placement.
+
+    The magnitude bits ``eem`` go to the lowest two exponent bits and the top mantissa bit of
+    an f16, the sign to the sign bit: for e > 0 that is ``2^(e-15) * (1 + m/2)``, for e = 0 the
+    subnormal ``m * 2^-15``; both are ``e2m1 * 2^-14``. A few integer ops, no selects.
+    """
+    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed conversions: inline PTX on the GPU, the same bits in jnp elsewhere.
+# ---------------------------------------------------------------------------------------------
+
+# NVFP4 / MXFP4 nibbles. Two packed bytes per instance ($1, 16 bits) -> two f16 ``e2m1 *
+# 2^-14`` in one 32-bit register ($0): of their low nibbles (even k; SHIFT_M 9, SHIFT_S 12) or
+# high nibbles (odd k; 5 and 8). ``prmt`` spreads the two bytes into the two 16-bit lanes, then
+# each nibble's magnitude bits go to bits 9-11 and its sign bit to bit 15 of its lane
+# (``e2m1_to_f16_scaled``'s bit placement, both lanes per 32-bit op). Two launches of the asm,
+# not one with two results: Pallas lowers a multi-result elementwise_inline_asm to one value.
+_FP4_TO_F16_ASM = """{
+.reg .b32 t, a, b, z;
+mov.b32 z, 0;
+cvt.u32.u16 t, $1;
+prmt.b32 t, t, z, 0x4140;
+shl.b32 a, t, SHIFT_M; and.b32 a, a, 0x0E000E00;
+shl.b32 b, t, SHIFT_S; and.b32 b, b, 0x80008000;
+or.b32 $0, a, b;
+}"""
+
+
+def fp4_to_f16_scaled(packed, inline_asm: bool):
+    """uint8 ``[r, c]`` packed E2M1 pairs -> (low nibbles, high nibbles) as f16 ``e2m1 * 2^-14``
+    ``[r, c]`` each (the even and odd k of the packing). ``inline_asm``: the PTX above (GPU);
+    else the same bits in jnp."""
+    if inline_asm:
+        out = jax.ShapeDtypeStruct(packed.shape, jnp.float16)
+        return tuple(
+            plgpu.elementwise_inline_asm(
+                _FP4_TO_F16_ASM.replace("SHIFT_M", str(m)).replace("SHIFT_S", str(s)),
+                args=[packed], constraints="=r,h", pack=2, result_shape_dtypes=[out])[0]
+            for m, s in ((9, 12), (5, 8)))
+    codes = packed.astype(jnp.int32)
+    return e2m1_to_f16_scaled(codes), e2m1_to_f16_scaled(codes >> 4)
