@@ -37,7 +37,6 @@ from pallas_kernels.moe_decode import (
     moe_decode_pairs,
     moe_decode_pairs_reference,
 )
-from pallas_kernels.moe_decode import kernel as kernel_module
 from tests.test_moe import make, token_ids_for
 
 E, H, I = 6, 160, 96  # H, I: not multiples of the 64-wide test tiles
@@ -243,6 +242,28 @@ class TestKernelInterpret:
         self.check(3, 2, ("random", "zero_experts", "dup_in_token"), config=config, **arrays,
                    **variant)
 
+    # ---- 1-byte weights of 2^31..2^32 elements: read through their uint16 view (Pallas'
+    # Triton lowering would index them with overflowing int32 offsets); the element limit is
+    # lowered so that these small stacks take that path ----
+
+    @pytest.mark.parametrize("fmt,variant", [(FP8, dict()), (NVFP4, dict(GPT_OSS, f16=True))],
+                             ids=["fp8_block", "nvfp4-gpt_oss-f16"])
+    def test_pair_view_of_overflowing_weights(self, fmt, variant, monkeypatch):
+        from pallas_kernels import _offsets
+
+        variant = dict(variant)
+        config = F16_CONFIG if variant.pop("f16", False) else None
+        arrays = expert_arrays(fmt)
+        gu = arrays["gate_up"]
+        limit = gu.size * 3 // 4  # gate_up over it, its uint16 view (and down) under
+        monkeypatch.setattr(_offsets, "INT32_OFFSET_LIMIT", limit)
+        jax.clear_caches()
+        try:
+            assert _offsets.int32_offsets_overflow(gu.shape, gu.dtype)
+            self.check(3, 2, ("random", "zero_experts"), config=config, **arrays, **variant)
+        finally:
+            jax.clear_caches()
+
     def test_empty_input(self):
         arrays = expert_arrays(WeightFormat.BF16)
         out = moe_decode_pairs(make_x(0), jnp.zeros((0, 2), jnp.int32), interpret=True,
@@ -339,24 +360,6 @@ def test_config_heuristic():
         DecodeTile(block_n=32, block_k=64, split_k=0)
     with pytest.raises(ValueError, match="DecodeTile.block_k: nvfp4 needs"):
         DecodeTile(block_n=32, block_k=16).check_format("nvfp4")
-
-
-def test_fp4_unpack_ptx_bit_logic():
-    """The PTX of the GPU's NVFP4 unpack, emulated on every byte pair: the same f16 values as the
-    jnp path (``e2m1 * 2^-14`` of the low / high nibbles). The element order within the packed
-    registers (little-endian: element 0 in the low byte / low half) is Triton's convention."""
-    asm = kernel_module._FP4_TO_F16_ASM
-    assert "prmt.b32 t, t, z, 0x4140;" in asm and "cvt.u32.u16 t, $1;" in asm
-    pair = np.arange(1 << 16, dtype=np.uint32)  # byte 0 = element 0
-    t = (pair & 0xFF) | ((pair >> 8) << 16)  # prmt 0x4140: byte0 -> lane 0, byte1 -> lane 1
-    codes = np.stack([pair & 0xFF, pair >> 8], axis=1).astype(np.int32)  # [65536, 2]
-    for (shift_m, shift_s), nibble in (((9, 12), codes & 0xF), ((5, 8), codes >> 4)):
-        text = asm.replace("SHIFT_M", str(shift_m)).replace("SHIFT_S", str(shift_s))
-        assert f"shl.b32 a, t, {shift_m};" in text and f"shl.b32 b, t, {shift_s};" in text
-        r = ((t << shift_m) & 0x0E000E00) | ((t << shift_s) & 0x80008000)
-        got = r.astype("<u4").view("<f2").reshape(-1, 2)  # lane 0 = low half
-        expected = np.asarray(kernel_module._e2m1_to_f16_scaled(jnp.asarray(nibble)))
-        np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16))
 
 
 _SD = jax.ShapeDtypeStruct
@@ -456,3 +459,34 @@ def test_ops_moe_decode_auto_and_errors():
     with pytest.raises(NotImplementedError, match="gate_up is bf16 but down is fp8_block"):
         aj.ops.moe_decode(x, ids, p.gate_up, other,
                           kernels=aj.KernelConfig(grouped_matmul="pallas"))
+
+
+def test_deepseek_v3_fp8_stacks_take_the_pair_view():
+    """At DeepSeek-V3's FP8 shapes (down [256, 7168, 2048] e4m3 = 3.76e9 bytes: more than 2^31
+    elements in at most 2^32 bytes) the down launch reads the stack through its uint16 view;
+    the gate_up stack (7.5e9 bytes) is indexed with int64 and stays e4m3. Abstract shapes."""
+    sd = jax.ShapeDtypeStruct
+    e, h, i = 256, 7168, 2048
+    e4m3 = jnp.float8_e4m3fn
+
+    def step(x, ids, w, gu, gs, dn, ds):
+        return moe_decode(x, ids, w, gu, dn, fmt="fp8_block", gate_up_scale=gs, down_scale=ds,
+                          interpret=True)
+
+    jaxpr = jax.make_jaxpr(step)(
+        sd((1, h), jnp.bfloat16), sd((1, 8), jnp.int32), sd((1, 8), jnp.float32),
+        sd((e, 2 * i, h), e4m3), sd((e, 2 * i // 128, h // 128), jnp.float32),
+        sd((e, h, i), e4m3), sd((e, h // 128, i // 128), jnp.float32))
+    def pallas_calls(jx):
+        for q in jx.eqns:
+            if q.primitive.name == "pallas_call":
+                yield q
+            for v in q.params.values():
+                if hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                    yield from pallas_calls(v.jaxpr)
+
+    calls = list(pallas_calls(jaxpr.jaxpr))
+    weights = [[v.aval for v in q.invars if v.aval.ndim == 4 and v.aval.shape[0] == e][0]
+               for q in calls]
+    assert [(w.shape, w.dtype) for w in weights] == [
+        ((e, 2, i, h), jnp.dtype(e4m3)), ((e, 1, h, i // 2), jnp.dtype(jnp.uint16))]

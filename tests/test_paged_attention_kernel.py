@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from jax._src import mesh as mesh_lib
 
+from pallas_kernels._dequant import e2m1_to_f16_scaled
 from pallas_kernels.paged_attention.config import (
     DecodeConfig,
     KVDtype,
@@ -30,7 +31,6 @@ from pallas_kernels.paged_attention.config import (
     kv_bytes_per_token,
 )
 from pallas_kernels.paged_attention.decode import (
-    _e2m1_to_f16_scaled,
     _pow2_row_scales,
     paged_decode,
 )
@@ -319,7 +319,7 @@ class TestReference:
 
     def test_e2m1_bits_match_table(self):
         codes = jnp.arange(16, dtype=jnp.int32) | 0x30  # high bits are ignored
-        vals = np.asarray(_e2m1_to_f16_scaled(codes).astype(jnp.float32)) * 2.0**14
+        vals = np.asarray(e2m1_to_f16_scaled(codes).astype(jnp.float32)) * 2.0**14
         np.testing.assert_array_equal(vals, E2M1_VALUES)
         np.testing.assert_array_equal(np.signbit(vals), np.signbit(E2M1_VALUES))
 

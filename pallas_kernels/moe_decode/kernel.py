@@ -34,7 +34,7 @@ PTX on the GPU, two values per 32-bit op; the 2^14 goes into the global scale); 
 row is scaled by a power of two into ``[2^10, 2^11)`` (its amax over K, from a pre-pass over the
 chunk's rows) and the accumulator scaled back once, so bf16 activations pass exactly.
 
-The file reads top-down: the NVFP4 unpack, the plan, the kernel body on refs, the
+The file reads top-down: the plan, the kernel body on refs, the
 ``pallas_call`` wrapper, the combine, the jitted public entries.
 """
 
@@ -49,15 +49,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._dequant import (  # noqa: F401 (old names, read by the tests)
-    _FP4_TO_F16_ASM,
-)
 from pallas_kernels._dequant import F16_FP4_FACTOR as _F16_NVFP4_FACTOR
-from pallas_kernels._dequant import e2m1_to_f16_scaled as _e2m1_to_f16_scaled  # noqa: F401
 from pallas_kernels._dequant import e2m1_to_f32 as _e2m1_to_f32
 from pallas_kernels._dequant import e8m0_to_f32 as _e8m0_to_f32
 from pallas_kernels._dequant import fp4_to_f16_scaled as _fp4_to_f16_scaled
 from pallas_kernels._device import device_kind, device_sm_count
+from pallas_kernels._offsets import check_offsets, int32_offsets_overflow, pair_view
 from pallas_kernels.grouped_matmul.config import (
     MXFP4_GROUP,
     NVFP4_GROUP,
@@ -65,7 +62,7 @@ from pallas_kernels.grouped_matmul.config import (
     GateUpLayout,
     WeightFormat,
 )
-from pallas_kernels.grouped_matmul.kernel import _gated, _repeat_cols
+from pallas_kernels.grouped_matmul.kernel import _gated, _interleave_cols, _repeat_cols
 from pallas_kernels.grouped_matmul.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT
 from pallas_kernels.moe_decode.config import DecodeTile, MoEDecodeConfig, choose_decode_config
 from pallas_kernels.paged_attention.decode import (
@@ -157,6 +154,7 @@ class _Static:
     global_rows: int  # NVFP4: rows of w (over all halves) sharing one global scale
     compute_dtype: jnp.dtype  # dot operand dtype
     inline_asm: bool  # GPU: NVFP4 f16 unpack in PTX (interpret mode: the same in jnp)
+    w_pairs: bool  # w_ref is the uint16 view of 1-byte weights (pallas_kernels._offsets)
 
 
 def expert_matmul_kernel(
@@ -217,14 +215,28 @@ def expert_matmul_kernel(
 
     n_mask = col_mask[:, None] if n_ragged else None
 
+    def load_w_cols(h, c0, step, row_len):
+        """``[bn, step]`` of half h's weight columns ``[c0, c0 + step)`` (masked past N and
+        ``row_len``). With ``st.w_pairs`` w_ref holds byte pairs as uint16 (low byte first):
+        read ``step / 2`` pairs and split them into the uint8 bytes."""
+        if st.w_pairs:
+            c0, step, row_len = c0 // 2, step // 2, row_len // 2
+        cc = c0 + jnp.arange(step, dtype=jnp.int32)
+        c_mask = (cc < row_len)[None, :] if k_ragged else None
+        w = masked_load(w_at(w_ref, h, cc[None, :]), n_mask, c_mask)
+        if not st.w_pairs:
+            return w
+        pairs = w.astype(jnp.int32)
+        return _interleave_cols(pairs & 0xFF, pairs >> 8).astype(jnp.uint8)
+
     def load_w(h, kb):
         """One K step of half h: (dot operands [bn, bk] (FP4: even, odd [bn, bk/2]),
         f32 per-column scale [bn] or None)."""
         match st.fmt:
             case WeightFormat.BF16 | WeightFormat.FP8_BLOCK:
-                kc = kb * bk + kk
-                k_mask = (kc < st.k)[None, :] if k_ragged else None
-                w = masked_load(w_at(w_ref, h, kc[None, :]), n_mask, k_mask)  # [bn, bk]
+                w = load_w_cols(h, kb * bk, bk, st.k)  # [bn, bk]
+                if st.w_pairs:  # bytes -> e4m3
+                    w = jax.lax.bitcast_convert_type(w, jnp.float8_e4m3fn)
                 dot_dtype = jnp.float16 if st.f16_dot else st.compute_dtype
                 if st.fmt is WeightFormat.BF16:
                     return (w.astype(dot_dtype),), None
@@ -235,11 +247,9 @@ def expert_matmul_kernel(
             case WeightFormat.NVFP4 | WeightFormat.MXFP4:
                 group = NVFP4_GROUP if st.fmt is WeightFormat.NVFP4 else MXFP4_GROUP
                 kp, ks = bk // 2, bk // group  # packed bytes, scales per K step
-                pc = kb * kp + jnp.arange(kp, dtype=jnp.int32)
                 sc = kb * ks + jnp.arange(ks, dtype=jnp.int32)
-                p_mask = (pc < st.k // 2)[None, :] if k_ragged else None
                 s_mask = (sc < st.k // group)[None, :] if k_ragged else None
-                codes = masked_load(w_at(w_ref, h, pc[None, :]), n_mask, p_mask)  # [bn, bk/2]
+                codes = load_w_cols(h, kb * kp, kp, st.k // 2)  # [bn, bk/2] uint8
                 raw_s = masked_load(w_at(scale_ref, h, sc[None, :]), n_mask, s_mask)
                 if st.f16_dot:  # NVFP4 only: e2m1 * 2^-14 * f16(e4m3 scale), exact
                     s = _repeat_cols(raw_s.astype(jnp.float16), group // 2)  # [bn, bk/2]
@@ -486,13 +496,21 @@ def _launch(a, plan, wts: _Weights, *, fmt, halves, layout, activation, prologue
         block_n=tile.block_n, block_k=tile.block_k, swap_ab=tile.swap_ab,
         f16_dot=tile.f16_dot, fp8_block=tuple(block_size), global_rows=wts.global_rows,
         compute_dtype=h_dtype if prologue is not None else jnp.dtype(a.dtype),
-        inline_asm=not interpret)
+        inline_asm=not interpret, w_pairs=False)
     scale = wts.scale if fmt is WeightFormat.FP8_BLOCK else _split_halves(wts.scale, halves,
                                                                          st.layout)
+    w = _split_halves(wts.w, halves, st.layout)
+    if int32_offsets_overflow(w.shape, w.dtype):
+        if w.shape[-1] % 2:
+            raise NotImplementedError(
+                f"w: {wts.w.shape} {w.dtype} needs the uint16 view (int32 offsets would "
+                f"overflow), which needs an even last dim, got {w.shape[-1]}")
+        w, st = pair_view(w), dataclasses.replace(st, w_pairs=True)
+    bias = _split_halves(wts.bias, halves, st.layout)
+    check_offsets(dict(a=a, w=w, scale=scale, global_scale=wts.global_scale, bias=bias))
     return _expert_matmul_pallas(
-        plan.work, plan.token_of_row if st.gather_rows else None, a,
-        _split_halves(wts.w, halves, st.layout), scale, wts.global_scale,
-        _split_halves(wts.bias, halves, st.layout),
+        plan.work, plan.token_of_row if st.gather_rows else None, a, w, scale,
+        wts.global_scale, bias,
         st=st, tile=tile, num_rows=num_rows, out_dtype=out_dtype, interpret=interpret,
         name=name)
 

@@ -64,7 +64,6 @@ from pallas_kernels._dequant import (
     F16_FP4_FACTOR,
     fp4_to_f16_scaled,
 )
-from pallas_kernels._dequant import e2m1_to_f16_scaled as _e2m1_to_f16_scaled  # noqa: F401
 from pallas_kernels._device import device_sm_count
 from pallas_kernels.paged_attention.config import (
     HEAD_DIMS,

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._dequant import e2m1_to_f16_scaled
 from pallas_kernels._device import device_sm_count
 from pallas_kernels.paged_attention.config import (
     HEAD_DIMS,
@@ -58,7 +59,6 @@ from pallas_kernels.paged_attention.decode import (
     _check_scales,
     _dot_nn,
     _dot_nt,
-    _e2m1_to_f16_scaled,
     _expect_dtype,
     _expect_shape,
     _grid,
@@ -97,8 +97,8 @@ def load_kv_tile(kv_dtype: KVDtype, data_ref, scale_ref, global_ref, rows, tok_o
             s_cols = jnp.arange(scale_ref.shape[1], dtype=jnp.int32)
             blk = plgpu.load(scale_ref.at[_grid(rows, s_cols)], mask=mask, other=other)
             blk = _repeat_cols(blk.astype(jnp.float16), NVFP4_GROUP // 2)  # [T, D/2]
-            lo_vals = _e2m1_to_f16_scaled(codes) * blk  # even d, * 2^-14
-            hi_vals = _e2m1_to_f16_scaled(codes >> 4) * blk  # odd d, * 2^-14
+            lo_vals = e2m1_to_f16_scaled(codes) * blk  # even d, * 2^-14
+            hi_vals = e2m1_to_f16_scaled(codes >> 4) * blk  # odd d, * 2^-14
             gs = plgpu.load(global_ref.at[rows], mask=tok_ok, other=other)  # [T] f32
             return (lo_vals, hi_vals), gs * 2.0**14
 
