@@ -875,6 +875,18 @@ def test_prefill_pallas_equals_xla():
     jax.tree.map(np.testing.assert_array_equal, c1, c2)
 
 
+@pytest.mark.parametrize("kv", [KVDtype.BF16, KVDtype.NVFP4])
+def test_fresh_cache_can_be_donated(kv):
+    """K and V of a new cache are separate buffers: a jitted write may donate the cache."""
+    cfg = cfg_of()
+    c = A.PagedKVCache.create(4, 4, cfg, dtype=kv)
+    new = jax.random.normal(jax.random.key(0), (2, 3, cfg.num_kv_heads, cfg.head_dim))
+    write = jax.jit(lambda c, s, k, v: c.write(s, k, v), donate_argnums=0)
+    c = write(c, jnp.array([0, 5, 9], jnp.int32), new[0], new[1])
+    k, v = c.gather(jnp.array([[0, 1, 2]], jnp.int32))
+    assert not np.array_equal(np.asarray(k), np.asarray(v))
+
+
 def test_cache_and_params_errors():
     cfg = cfg_of()
     with pytest.raises(ValueError, match="NVFP4 KV needs head_dim a multiple of 16, got 24"):

@@ -182,11 +182,10 @@ class PagedKVCache:
         if dtype is KVDtype.NVFP4 and d % nvfp4.BLOCK:
             raise ValueError(f"PagedKVCache.create: NVFP4 KV needs head_dim a multiple of "
                              f"{nvfp4.BLOCK}, got {d}")
-        pages = zero_pages((num_pages, page_size, kh), d, dtype)
         calib = cfg.fp8_kv_calibration_tokens if dtype is KVDtype.FP8 else 0
-        return cls(
-            k=pages,
-            v=pages,
+        return cls(  # K and V in buffers of their own: a jitted step may donate the cache
+            k=zero_pages((num_pages, page_size, kh), d, dtype),
+            v=zero_pages((num_pages, page_size, kh), d, dtype),
             fp8_amax=jnp.zeros((2, kh), jnp.float32) if calib else None,
             fp8_seen=jnp.zeros((), jnp.int32) if calib else None,
             dtype=dtype,
