@@ -189,11 +189,9 @@ def choose_decode_config(
     stage_bytes = 2 * tile * kv_dtype.bytes_per_element
     num_stages = int(max(2, min(4, (160 * 1024) // max(stage_bytes, 1))))
     # Warps: the f32 accumulator [R, D] and the q block stay in registers across the loop.
-    # FP8 / NVFP4 pages are converted in registers every step (load -> convert -> MMA chains)
-    # while their stages fill shared memory as BF16's do (one program per SM): 8 warps, not 4,
-    # to hide that chain's latency (and 255 -> ~173 registers a thread in the sm_90 build).
-    quantized = kv_dtype in (KVDtype.FP8, KVDtype.NVFP4)
-    num_warps = 8 if rows * head_dim >= 16384 or tile >= 32768 or quantized else 4
+    # (8 warps for FP8 / NVFP4 pages, to hide their convert chains, measured slower on the
+    # H200: FP8 B32 16k 292 -> 380 us, 4k 95 -> 112 us; benchmarks/NOTES.md.)
+    num_warps = 8 if rows * head_dim >= 16384 or tile >= 32768 else 4
     return DecodeConfig(pages_per_step, num_splits, num_warps, num_stages)
 
 
