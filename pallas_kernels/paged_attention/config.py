@@ -152,7 +152,7 @@ def choose_decode_config(
       splits spend more on the reduce and on the pipeline prologue than they win). With
       ``sm_count=None`` (no GPU: interpret mode) there is one split.
     * Stages: as many steps in flight as ~160 KB of shared memory holds (2..4).
-    * Warps: 8 for large register tiles and for FP8 / NVFP4 pages (in-register conversion).
+    * Warps: 8 for large register tiles, else 4.
     """
     kv_dtype = KVDtype.coerce(kv_dtype)
     for name, v in (
