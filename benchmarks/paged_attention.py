@@ -39,6 +39,7 @@ from benchmarks._common import (  # noqa: E402
     time_jax,
 )
 from pallas_kernels.paged_attention import (  # noqa: E402
+    DecodeConfig,
     kv_bytes_per_token,
     paged_decode,
     paged_decode_reference,
@@ -135,6 +136,43 @@ def bench(cases) -> tuple[list[dict], float]:
         print(table([row], list(row)), flush=True)
         del cache
     return rows, hbm
+
+
+# ---- decode config sweep ---------------------------------------------------------------------
+
+SWEEP = {  # case -> (pages_per_step, num_splits, num_warps, num_stages) variants
+    (1, 32768, 32, 4, 128, "bf16"): [(pp, s, 4, st) for pp in (8, 16) for s in (16, 33, 66, 132)
+                                     for st in (2, 3)],
+    (32, 16384, 32, 4, 128, "fp8"): [(pp, s, 4, st) for pp in (8, 16, 32) for s in (1, 3)
+                                     for st in (2, 4)],
+}
+
+
+def sweep() -> list[dict]:
+    """Time DecodeConfig variants against the heuristic's choice (each checked against the
+    reference) for the cases the targets of issue 8 name and miss: B=1 at 32k, FP8 at 16k."""
+    hbm = hbm_copy_bandwidth()
+    rows = []
+    key = jax.random.key(0)
+    for (b, ctx, hq, hk, d, dtype), variants in SWEEP.items():
+        cache = make_cache(key, b, ctx, hk, d, dtype)
+        q = jax.random.normal(jax.random.fold_in(key, 1), (b, 1, hq, d), jnp.bfloat16)
+        kw = kernel_kwargs(cache, dtype, d)
+        pos = (q, cache["k_pages"], cache["v_pages"], cache["block_tables"], cache["seq_lens"])
+        want = jax.jit(functools.partial(paged_decode_reference, **kw))(*pos)
+        kv_bytes = b * ctx * kv_bytes_per_token(dtype, hk, d)
+        for v in [None, *variants]:
+            config = None if v is None else DecodeConfig(*v)
+            fn = jax.jit(functools.partial(paged_decode, **kw, config=config))
+            err = float(jnp.linalg.norm(fn(*pos).astype(jnp.float32) - want)
+                        / jnp.linalg.norm(want))
+            t = time_jax(fn, *pos)
+            row = dict(B=b, ctx=ctx, kv=dtype, config="heuristic" if v is None else str(v),
+                       us=t * 1e6, frac_hbm=kv_bytes / t / hbm, rel_err=err)
+            rows.append(row)
+            print(table([row], list(row)), flush=True)
+        del cache
+    return rows
 
 
 # ---- prefill ---------------------------------------------------------------------------------
@@ -274,11 +312,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--prefill", action="store_true", help="only the prefill section")
+    parser.add_argument("--sweep", action="store_true",
+                        help="only: time decode config variants (pages per step, splits, stages)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         sys.exit("benchmarks/paged_attention.py needs a GPU")
     device = f"{datetime.date.today()}, {jax.devices()[0].device_kind}, jax {jax.__version__}"
+    if args.sweep:
+        rows = sweep()
+        text = (f"## paged_attention decode config sweep ({device})\n\n"
+                f"{table(rows, list(rows[0]))}\n")
+        print(text)
+        if args.out:
+            args.out.write_text(text)
+        return
     parts = []
     if not args.prefill:
         rows, hbm = bench(QUICK if args.quick else CASES)
