@@ -94,10 +94,12 @@ def hash_expert_ids(tid2eid: jax.Array, token_ids: jax.Array) -> jax.Array:
 # -- the router ----------------------------------------------------------------------------------
 
 
-def _finish(scores: jax.Array, ids: jax.Array, params: MoEParams) -> Routing:
-    """Gather unbiased scores of the chosen ids, renormalise, scale."""
+def _finish(scores: jax.Array, ids: jax.Array, params: MoEParams,
+            chosen: jax.Array | None = None) -> Routing:
+    """Gather unbiased scores of the chosen ids (``chosen``: already gathered), renormalise,
+    scale."""
     cfg = params.config
-    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    weights = jnp.take_along_axis(scores, ids, axis=-1) if chosen is None else chosen
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + cfg.norm_eps)
     return _scale(Routing(ids, weights), params)
@@ -132,6 +134,9 @@ def route_logits(params: MoEParams, logits: jax.Array, token_ids: jax.Array | No
         choice = scores + params.selection_bias.astype(jnp.float32)
     if cfg.n_group > 1:
         ids = select_group_limited(choice, k, cfg.n_group, cfg.topk_group)
+    elif params.selection_bias is None:  # top-k values are the chosen scores: no gather
+        values, ids = jax.lax.top_k(scores, k)
+        return _finish(scores, ids.astype(jnp.int32), params, values)
     else:
         ids = select_topk(choice, k)
     return _finish(scores, ids, params)

@@ -85,15 +85,70 @@ class DecodePlan(NamedTuple):
     routed: jax.Array  # [T, k] bool: the pair goes to a real expert (False: zero expert)
 
 
+# Up to this many pairs the plan is built from pairwise comparisons (three small reductions, no
+# sort, scan or scatter: fewer XLA launches for the few-token steps); above it, by a sort.
+DENSE_PLAN_MAX_PAIRS = 1024
+
+
 def make_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
-    """Work list of ``expert_ids [T, k]``: one sort of the ``P = T*k`` pair ids, a cumsum and a
-    scatter; ``U = min(E, P)`` slots (a static bound on the distinct experts)."""
+    """Work list of ``expert_ids [T, k]``; ``U = min(E, P)`` slots (a static bound on the
+    distinct experts). ``P = T*k <= DENSE_PLAN_MAX_PAIRS``: ``_dense_plan``, else
+    ``_sorted_plan``; both give the same plan (slots in increasing expert id, idle slots last,
+    rows in the stable sort order)."""
+    t, k = expert_ids.shape
+    if t * k <= DENSE_PLAN_MAX_PAIRS:
+        return _dense_plan(expert_ids, num_experts)
+    return _sorted_plan(expert_ids, num_experts)
+
+
+def _plan_keys(expert_ids, num_experts):
+    p = expert_ids.shape[0] * expert_ids.shape[1]
+    flat = expert_ids.reshape(p).astype(jnp.int32)
+    routed = (flat >= 0) & (flat < num_experts)
+    return jnp.where(routed, flat, num_experts), routed  # zero experts sort last
+
+
+def _dense_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
+    """The plan from ``[P, P]`` / ``[U, P]`` comparisons: three dependent reductions (XLA fuses
+    each, with its elementwise producers, into one small kernel) instead of a sort, a cumsum,
+    two scatters and a gather (each its own launch on the GPU). A pair's sorted row is the
+    number of pairs with a smaller key plus those with the same key before it (stable)."""
     t, k = expert_ids.shape
     p = t * k
     u = min(num_experts, p)
-    flat = expert_ids.reshape(p).astype(jnp.int32)
-    routed = (flat >= 0) & (flat < num_experts)
-    key = jnp.where(routed, flat, num_experts)  # zero experts sort last
+    key, routed = _plan_keys(expert_ids, num_experts)
+    idx = jnp.arange(p, dtype=jnp.int32)
+    kq, kp = key[None, :], key[:, None]  # [1, P] other pair q, [P, 1] this pair
+    same = kq == kp  # [P, P]
+    before = jnp.sum(same & (idx[None, :] < idx[:, None]), axis=1, dtype=jnp.int32)
+    row_of_pair = jnp.sum(kq < kp, axis=1, dtype=jnp.int32) + before  # [P]
+    count = jnp.sum(same, axis=1, dtype=jnp.int32)  # [P] pairs of this pair's expert
+    lead = routed & (before == 0)  # [P] the first pair of each distinct real expert
+    # level 2: a lead pair's slot (distinct real experts below it); each sorted row's token
+    slot = jnp.sum(lead[None, :] & (kq < kp), axis=1, dtype=jnp.int32)  # [P]
+    token_of_row = jnp.sum(jnp.where(row_of_pair[None, :] == idx[:, None], idx[None, :] // k,
+                                     0), axis=1, dtype=jnp.int32)  # [P]
+    num_routed = jnp.sum(routed, dtype=jnp.int32)
+    # level 3: slot u's lead pair (at most one) gives the expert, first row and row count
+    hit = lead[None, :] & (slot[None, :] == jnp.arange(u, dtype=jnp.int32)[:, None])  # [U, P]
+    busy = jnp.any(hit, axis=1)
+    vals = jnp.stack([key, row_of_pair, count])  # [3, P]
+    picked = jnp.sum(jnp.where(hit[None], vals[:, None, :], 0), axis=2, dtype=jnp.int32)
+    idle = jnp.stack([jnp.int32(num_experts), num_routed, jnp.int32(0)])[:, None]  # [3, 1]
+    return DecodePlan(
+        work=jnp.where(busy[None, :], picked, idle),
+        token_of_row=token_of_row,
+        row_of_pair=row_of_pair.reshape(t, k),
+        routed=routed.reshape(t, k),
+    )
+
+
+def _sorted_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
+    """The plan from one sort of the ``P`` pair ids, a cumsum and two scatters."""
+    t, k = expert_ids.shape
+    p = t * k
+    u = min(num_experts, p)
+    key, routed = _plan_keys(expert_ids, num_experts)
     row = jnp.arange(p, dtype=jnp.int32)
     sorted_key, order = jax.lax.sort((key, row), num_keys=1, is_stable=True)  # [P], [P]
     prev = jnp.concatenate([jnp.full((1,), -1, jnp.int32), sorted_key[:-1]])
@@ -532,7 +587,8 @@ def pairs_of(y_sorted: jax.Array, plan: DecodePlan) -> jax.Array:
     """Rows of ``y_sorted [S, P, H]`` (summed over the S split-K partials) in pair order
     ``[T, k, H]`` f32; zero-expert pairs 0 (their rows were never written)."""
     t, k = plan.row_of_pair.shape
-    pairs = jnp.take(y_sorted, plan.row_of_pair.reshape(-1), axis=1)  # [S, P, H]
+    pairs = jnp.take(y_sorted, plan.row_of_pair.reshape(-1), axis=1,
+                     mode="clip")  # [S, P, H]; rows are in range
     pairs = jnp.sum(pairs.astype(jnp.float32), axis=0).reshape(t, k, -1)
     return jnp.where(plan.routed[..., None], pairs, 0.0)
 
