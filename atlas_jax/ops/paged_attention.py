@@ -160,6 +160,15 @@ def _pages(cache: PagedKVCache) -> dict:
                 k_global_scale=cache.k.global_scale, v_global_scale=cache.v.global_scale)
 
 
+def _call_kernel(kernel, q, cache, block_tables, positions, **kw) -> jax.Array:
+    """``paged_decode`` (positions: seq_lens) or ``paged_prefill`` (q_pos) over the cache's
+    pages, f32 out, in interpret mode without a GPU."""
+    pages = _pages(cache)
+    return kernel(q, pages.pop("k_pages"), pages.pop("v_pages"), block_tables.astype(jnp.int32),
+                  positions.astype(jnp.int32), **pages, **kw, out_dtype=jnp.float32,
+                  interpret=interpret_mode())
+
+
 def paged_attention_pallas(
     q: jax.Array,  # [B, Q, Hq, D]
     cache: PagedKVCache,
@@ -183,12 +192,9 @@ def paged_attention_pallas(
     if not k.attn_gqa_pack:
         raise NotImplementedError("paged_attention: the Pallas decode kernel always packs the "
                                   "query heads of a KV head (attn_gqa_pack=False is not built)")
-    pages = _pages(cache)
-    return paged_decode(
-        q, pages.pop("k_pages"), pages.pop("v_pages"), block_tables.astype(jnp.int32),
-        seq_lens.astype(jnp.int32), **pages, scale=scale, sliding_window=sliding_window,
-        logit_softcap=logit_softcap, sinks=sinks, config=config, out_dtype=jnp.float32,
-        interpret=interpret_mode())
+    return _call_kernel(paged_decode, q, cache, block_tables, seq_lens, config=config,
+                        scale=scale, sliding_window=sliding_window,
+                        logit_softcap=logit_softcap, sinks=sinks)
 
 
 def paged_prefill_pallas(
@@ -222,9 +228,6 @@ def paged_prefill_pallas(
     if not k.attn_gqa_pack:
         config = dataclasses.replace(config, q_heads_per_program=1,
                                      block_q=min(128, config.rows(g)))
-    pages = _pages(cache)
-    return paged_prefill(
-        q, pages.pop("k_pages"), pages.pop("v_pages"), block_tables.astype(jnp.int32),
-        q_pos.astype(jnp.int32), **pages, scale=scale, sliding_window=sliding_window,
-        logit_softcap=logit_softcap, sinks=sinks, config=config, out_dtype=jnp.float32,
-        interpret=interpret_mode())
+    return _call_kernel(paged_prefill, q, cache, block_tables, q_pos, config=config,
+                        scale=scale, sliding_window=sliding_window,
+                        logit_softcap=logit_softcap, sinks=sinks)

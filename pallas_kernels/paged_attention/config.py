@@ -73,8 +73,60 @@ def _prev_pow2(v: int) -> int:
     return 1 << max(0, int(v).bit_length() - 1)
 
 
+def _check_shape_args(fn: str, **values) -> None:
+    """The heuristics' argument checks: positive ints, and a power-of-two ``page_size``."""
+    for name, v in values.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{fn}: {name} must be a positive int, got {v!r}")
+    if not _is_pow2(values["page_size"]):
+        raise ValueError(f"{fn}: page_size must be a power of two, got {values['page_size']}")
+
+
+def _pages_per_step(tokens: int, page_size: int, max_pages: int) -> int:
+    """Pages a step for about ``tokens`` tokens: at least 16 tokens (tl.dot), no more pages
+    than the (pow2) block table has, at most 256."""
+    pages_per_step = max(1, tokens // page_size)
+    pages_per_step = min(pages_per_step, _next_pow2(max_pages))
+    pages_per_step = max(pages_per_step, _next_pow2(-(-MIN_DOT // page_size)))
+    return min(pages_per_step, 256)
+
+
+def _num_stages(tile: int, kv_dtype: KVDtype, budget_kb: int, most: int) -> int:
+    """Pipelining depth: steps of raw K+V bytes (``tile`` elements each) within ``budget_kb``
+    of shared memory, 2..``most``."""
+    stage_bytes = 2 * tile * kv_dtype.bytes_per_element
+    return int(max(2, min(most, (budget_kb * 1024) // max(stage_bytes, 1))))
+
+
+class _LaunchConfig:
+    """What ``DecodeConfig`` and ``PrefillConfig`` share (fields ``pages_per_step``,
+    ``num_warps``, ``num_stages`` of the dataclasses deriving from this)."""
+
+    def _check_warps_stages(self) -> None:
+        cls = type(self).__name__
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(
+                f"{cls}.num_warps: expected one of 1, 2, 4, 8, 16, got {self.num_warps!r}"
+            )
+        s = self.num_stages
+        if not isinstance(s, int) or isinstance(s, bool) or not 1 <= s <= 8:
+            raise ValueError(f"{cls}.num_stages: expected an int in [1, 8], got {s!r}")
+
+    def tokens_per_step(self, page_size: int) -> int:
+        return self.pages_per_step * page_size
+
+    def _check_tokens_per_step(self, page_size: int) -> None:
+        t = self.tokens_per_step(page_size)
+        if t < MIN_DOT or t > 1024:
+            raise ValueError(
+                f"{type(self).__name__}.pages_per_step: pages_per_step * page_size = "
+                f"{self.pages_per_step} * {page_size} = {t} tokens per step; the kernel needs "
+                f"[{MIN_DOT}, 1024] (tl.dot extents)"
+            )
+
+
 @dataclasses.dataclass(frozen=True)
-class DecodeConfig:
+class DecodeConfig(_LaunchConfig):
     """Launch shape of the split-K decode kernel.
 
     The grid is ``(batch, num_kv_heads, num_splits)``. Each program walks its share (1 /
@@ -101,31 +153,11 @@ class DecodeConfig:
             raise ValueError(
                 f"DecodeConfig.num_splits: expected an int in [1, 4096], got {self.num_splits!r}"
             )
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(
-                f"DecodeConfig.num_warps: expected one of 1, 2, 4, 8, 16, got {self.num_warps!r}"
-            )
-        if (
-            not isinstance(self.num_stages, int)
-            or isinstance(self.num_stages, bool)
-            or not 1 <= self.num_stages <= 8
-        ):
-            raise ValueError(
-                f"DecodeConfig.num_stages: expected an int in [1, 8], got {self.num_stages!r}"
-            )
-
-    def tokens_per_step(self, page_size: int) -> int:
-        return self.pages_per_step * page_size
+        self._check_warps_stages()
 
     def check(self, page_size: int) -> None:
         """Raises ValueError when this config cannot run with ``page_size``."""
-        t = self.tokens_per_step(page_size)
-        if t < MIN_DOT or t > 1024:
-            raise ValueError(
-                f"DecodeConfig.pages_per_step: pages_per_step * page_size = "
-                f"{self.pages_per_step} * {page_size} = {t} tokens per step; the kernel needs "
-                f"[{MIN_DOT}, 1024] (tl.dot extents)"
-            )
+        self._check_tokens_per_step(page_size)
 
 
 def choose_decode_config(
@@ -155,26 +187,20 @@ def choose_decode_config(
     * Warps: 8 for large register tiles, else 4.
     """
     kv_dtype = KVDtype.coerce(kv_dtype)
-    for name, v in (
-        ("batch", batch),
-        ("num_kv_heads", num_kv_heads),
-        ("q_per_kv", q_per_kv),
-        ("q_len", q_len),
-        ("max_pages", max_pages),
-        ("page_size", page_size),
-        ("head_dim", head_dim),
-    ):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"choose_decode_config: {name} must be a positive int, got {v!r}")
-    if not _is_pow2(page_size):
-        raise ValueError(f"choose_decode_config: page_size must be a power of two, got {page_size}")
+    _check_shape_args(
+        "choose_decode_config",
+        batch=batch,
+        num_kv_heads=num_kv_heads,
+        q_per_kv=q_per_kv,
+        q_len=q_len,
+        max_pages=max_pages,
+        page_size=page_size,
+        head_dim=head_dim,
+    )
 
     elems = 8192 if kv_dtype is KVDtype.FLOAT32 else 16384
     tokens = min(128, max(MIN_DOT, elems // head_dim))
-    pages_per_step = max(1, tokens // page_size)
-    pages_per_step = min(pages_per_step, _next_pow2(max_pages))
-    pages_per_step = max(pages_per_step, _next_pow2(-(-MIN_DOT // page_size)))
-    pages_per_step = min(pages_per_step, 256)
+    pages_per_step = _pages_per_step(tokens, page_size, max_pages)
 
     num_splits = 1
     if sm_count is not None and sm_count > 0:
@@ -186,8 +212,7 @@ def choose_decode_config(
     # Pipelining depth: raw K+V bytes of one step in shared memory, within ~160 KB.
     rows = q_len * q_per_kv
     tile = pages_per_step * page_size * head_dim
-    stage_bytes = 2 * tile * kv_dtype.bytes_per_element
-    num_stages = int(max(2, min(4, (160 * 1024) // max(stage_bytes, 1))))
+    num_stages = _num_stages(tile, kv_dtype, 160, 4)
     # Warps: the f32 accumulator [R, D] and the q block stay in registers across the loop.
     # (8 warps for FP8 / NVFP4 pages, to hide their convert chains, measured slower on the
     # H200: FP8 B32 16k 292 -> 380 us, 4k 95 -> 112 us; benchmarks/NOTES.md.)
@@ -199,7 +224,7 @@ MAX_PREFILL_ROWS = 256  # block_q * heads a program packs, padded to a power of 
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillConfig:
+class PrefillConfig(_LaunchConfig):
     """Launch shape of the prefill kernel.
 
     The grid is ``(num_kv_heads * G / q_heads_per_program, ceil(S / block_q), batch)``. One
@@ -227,16 +252,7 @@ class PrefillConfig:
             raise ValueError(
                 f"PrefillConfig.q_heads_per_program: expected a positive int or None, got {h!r}"
             )
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(
-                f"PrefillConfig.num_warps: expected one of 1, 2, 4, 8, 16, got {self.num_warps!r}"
-            )
-        s = self.num_stages
-        if not isinstance(s, int) or isinstance(s, bool) or not 1 <= s <= 8:
-            raise ValueError(f"PrefillConfig.num_stages: expected an int in [1, 8], got {s!r}")
-
-    def tokens_per_step(self, page_size: int) -> int:
-        return self.pages_per_step * page_size
+        self._check_warps_stages()
 
     def heads(self, q_per_kv: int) -> int:
         """Query heads one program packs."""
@@ -248,13 +264,7 @@ class PrefillConfig:
 
     def check(self, page_size: int, q_per_kv: int) -> None:
         """Raises ValueError when this config cannot run with ``page_size`` and ``G``."""
-        t = self.tokens_per_step(page_size)
-        if t < MIN_DOT or t > 1024:
-            raise ValueError(
-                f"PrefillConfig.pages_per_step: pages_per_step * page_size = "
-                f"{self.pages_per_step} * {page_size} = {t} tokens per step; the kernel needs "
-                f"[{MIN_DOT}, 1024] (tl.dot extents)"
-            )
+        self._check_tokens_per_step(page_size)
         h = self.heads(q_per_kv)
         if q_per_kv % h:
             raise ValueError(
@@ -295,21 +305,16 @@ def choose_prefill_config(
       raw K+V bytes hold (2..3).
     """
     kv_dtype = KVDtype.coerce(kv_dtype)
-    for name, v in (
-        ("batch", batch),
-        ("num_kv_heads", num_kv_heads),
-        ("q_per_kv", q_per_kv),
-        ("q_len", q_len),
-        ("max_pages", max_pages),
-        ("page_size", page_size),
-        ("head_dim", head_dim),
-    ):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"choose_prefill_config: {name} must be a positive int, got {v!r}")
-    if not _is_pow2(page_size):
-        raise ValueError(
-            f"choose_prefill_config: page_size must be a power of two, got {page_size}"
-        )
+    _check_shape_args(
+        "choose_prefill_config",
+        batch=batch,
+        num_kv_heads=num_kv_heads,
+        q_per_kv=q_per_kv,
+        q_len=q_len,
+        max_pages=max_pages,
+        page_size=page_size,
+        head_dim=head_dim,
+    )
 
     target = max(MIN_DOT, min(128, 16384 // head_dim))  # rows
     if q_per_kv <= target:
@@ -330,15 +335,11 @@ def choose_prefill_config(
     tokens = 64 if head_dim <= 128 else 8192 // head_dim
     if kv_dtype is KVDtype.FLOAT32:
         tokens = max(MIN_DOT, tokens // 2)
-    pages_per_step = max(1, tokens // page_size)
-    pages_per_step = min(pages_per_step, _next_pow2(max_pages))
-    pages_per_step = max(pages_per_step, _next_pow2(-(-MIN_DOT // page_size)))
-    pages_per_step = min(pages_per_step, 256)
+    pages_per_step = _pages_per_step(tokens, page_size, max_pages)
 
     cfg = PrefillConfig(block_q, pages_per_step, heads)
     rows = cfg.rows(q_per_kv)
     tile = pages_per_step * page_size * head_dim
-    stage_bytes = 2 * tile * kv_dtype.bytes_per_element
-    num_stages = int(max(2, min(3, (96 * 1024) // max(stage_bytes, 1))))
+    num_stages = _num_stages(tile, kv_dtype, 96, 3)
     num_warps = 8 if rows * head_dim >= 16384 else 4
     return dataclasses.replace(cfg, num_warps=num_warps, num_stages=num_stages)

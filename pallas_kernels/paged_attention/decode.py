@@ -62,6 +62,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._dequant import (
     F16_FP4_FACTOR,
+    e2m1_to_f16_scaled,
     fp4_to_f16_scaled,
 )
 from pallas_kernels._device import device_sm_count
@@ -140,8 +141,32 @@ def _zero_like(dtype):
     return 0 if jnp.issubdtype(dtype, jnp.integer) else 0.0
 
 
+class _StaticKV:
+    """What the decode and prefill kernels' ``_Static`` share: properties of ``kv_dtype``,
+    ``pages_per_step`` and ``page_size`` (fields of the dataclasses deriving from this)."""
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.pages_per_step * self.page_size
+
+    @property
+    def compute_dtype(self):
+        """Dot operand dtype (see the module docstring for why f16 for FP8 and NVFP4)."""
+        match self.kv_dtype:
+            case KVDtype.FLOAT32:
+                return jnp.float32
+            case KVDtype.BF16:
+                return jnp.bfloat16
+            case KVDtype.FP8 | KVDtype.NVFP4:
+                return jnp.float16
+
+    @property
+    def precision(self):
+        return jax.lax.Precision.HIGHEST if self.kv_dtype is KVDtype.FLOAT32 else None
+
+
 @dataclasses.dataclass(frozen=True)
-class _Static:
+class _Static(_StaticKV):
     """Everything the kernel body specializes on (hashable)."""
 
     kv_dtype: KVDtype
@@ -165,24 +190,153 @@ class _Static:
         """NVFP4 tiles are split into their even and odd d (module docstring)."""
         return self.kv_dtype is KVDtype.NVFP4
 
-    @property
-    def tokens_per_step(self) -> int:
-        return self.pages_per_step * self.page_size
 
-    @property
-    def compute_dtype(self):
-        """Dot operand dtype (see the module docstring for why f16 for FP8 and NVFP4)."""
-        match self.kv_dtype:
-            case KVDtype.FLOAT32:
-                return jnp.float32
-            case KVDtype.BF16:
-                return jnp.bfloat16
-            case KVDtype.FP8 | KVDtype.NVFP4:
-                return jnp.float16
+# ---------------------------------------------------------------------------------------------
+# Pieces of the kernel body shared with prefill.py (each emits the same ops in the same order
+# for both kernels).
+# ---------------------------------------------------------------------------------------------
 
-    @property
-    def precision(self):
-        return jax.lax.Precision.HIGHEST if self.kv_dtype is KVDtype.FLOAT32 else None
+
+def load_q_block(q_ref, q_rows, col_sets, row_ok, compute_dtype, row_mask=None):
+    """Gathers the ``[R, D]`` query block (NVFP4: its even and odd columns, ``[R, D/2]`` x 2) as
+    dot operands: ``(q_halves, logit_rows)``.
+
+    Rows ``q_rows`` of ``q_ref``, masked by ``row_ok`` [R] (``row_mask``: the ``[R, 1]`` mask
+    when the caller already holds it). For f16 operands each row is scaled by a power of two to
+    ``|q| < 2^11`` and ``logit_rows`` [R] is the inverse, to apply to the logits (else None).
+    """
+    q_halves = tuple(
+        plgpu.load(
+            q_ref.at[_grid(q_rows, cols)],
+            mask=row_ok[:, None] if row_mask is None else row_mask,
+            other=0.0,
+        ).astype(jnp.float32)
+        for cols in col_sets
+    )  # [R, D] | NVFP4 [R, D/2] x 2
+    logit_rows = None  # f16 operands: per-row power-of-two scaling of q, undone on the logits
+    if compute_dtype == jnp.float16:
+        amax_q = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(qh), axis=1) for qh in q_halves])
+        up, logit_rows = _pow2_row_scales(amax_q)  # [R], [R]
+        q_halves = tuple(qh * up[:, None] for qh in q_halves)
+    return tuple(qh.astype(compute_dtype) for qh in q_halves), logit_rows
+
+
+def load_kv_tile(kv_dtype: KVDtype, data_ref, scale_ref, global_ref, rows, tok_ok, inline_asm=None):
+    """Gathers ``rows`` ([T] row ids) of one kv head: (tiles, f32 per-token factor [T] | None).
+
+    Tiles are the dot operands: ``([T, D],)``, or NVFP4's ``(even d, odd d)`` [T, D/2] f16 (times
+    2^-14, folded into the factor). ``tok_ok`` [T] masks the loads (None: no mask). NVFP4
+    unpack: ``inline_asm`` None, the codes widened up front and placed in jnp (prefill); a
+    bool, ``fp4_to_f16_scaled`` after the block scales (decode; True: PTX on the GPU).
+    """
+    mask = None if tok_ok is None else tok_ok[:, None]
+    cols = jnp.arange(data_ref.shape[1], dtype=jnp.int32)
+    raw = plgpu.load(
+        data_ref.at[_grid(rows, cols)],
+        mask=mask,
+        other=None if mask is None else _zero_like(data_ref.dtype),
+    )
+    other = None if tok_ok is None else 0.0
+    match kv_dtype:
+        case KVDtype.FLOAT32 | KVDtype.BF16:
+            return (raw,), None
+        case KVDtype.FP8:
+            s = plgpu.load(scale_ref.at[rows], mask=tok_ok, other=other)  # [T] f32
+            return (raw.astype(jnp.float16),), s  # exact; cvt.rn.f16x2.e4m3x2
+        case KVDtype.NVFP4:
+            codes = raw.astype(jnp.int32) if inline_asm is None else None  # [T, D/2]
+            s_cols = jnp.arange(scale_ref.shape[1], dtype=jnp.int32)
+            blk = plgpu.load(scale_ref.at[_grid(rows, s_cols)], mask=mask, other=other)
+            blk = _repeat_cols(blk.astype(jnp.float16), NVFP4_GROUP // 2)  # [T, D/2]
+            if inline_asm is None:
+                lo_vals = e2m1_to_f16_scaled(codes) * blk  # even d, * 2^-14
+                hi_vals = e2m1_to_f16_scaled(codes >> 4) * blk  # odd d, * 2^-14
+                gs = plgpu.load(global_ref.at[rows], mask=tok_ok, other=other)  # [T] f32
+                return (lo_vals, hi_vals), gs * F16_FP4_FACTOR
+            lo, hi = fp4_to_f16_scaled(raw, inline_asm)  # even d, odd d; * 2^-14
+            gs = plgpu.load(global_ref.at[rows], mask=tok_ok, other=other)  # [T] f32
+            return (lo * blk, hi * blk), gs * F16_FP4_FACTOR
+
+
+def step_logits(q_halves, k_tiles, k_tok, logit_rows, st):
+    """The step's logits ``[R, T]`` f32 in base 2: q . K, the q row and K token factors, the
+    scale and the softcap (``st``: ``scale``, ``logit_softcap``, ``precision``)."""
+    s = _dot_nt(q_halves[0], k_tiles[0], st.precision)  # [R, T] f32
+    for qh, kh in zip(q_halves[1:], k_tiles[1:], strict=True):
+        s = s + _dot_nt(qh, kh, st.precision)
+    if logit_rows is not None:
+        s = s * logit_rows[:, None]
+    if st.logit_softcap is None:
+        logit_factor = st.scale * LOG2E  # logits in base 2 from here on
+        s = s * (logit_factor if k_tok is None else (k_tok * logit_factor)[None, :])
+    else:
+        if k_tok is not None:
+            s = s * k_tok[None, :]
+        cap = st.logit_softcap
+        s = jnp.tanh(s * (st.scale / cap)) * (cap * LOG2E)
+    return s
+
+
+def online_softmax(s, m_prev, l_prev):
+    """One online-softmax step over the masked logits ``s`` [R, T] (base 2):
+    ``(m_next, alpha, probs, l_next)``, alpha rescaling what was accumulated before."""
+    m_next = jnp.maximum(m_prev, s.max(axis=1))  # [R]
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen nothing yet
+    alpha = jnp.exp2(m_prev - m_safe)  # [R]
+    probs = jnp.exp2(s - m_safe[:, None])  # [R, T]
+    l_next = l_prev * alpha + probs.sum(axis=1)
+    return m_next, alpha, probs, l_next
+
+
+def probs_operand(probs, v_tok, compute_dtype):
+    """The probabilities as the P . V dot operand: ``(probs, step_scale | None)``, the per-token
+    V factor on their columns normalized by the step's largest (``step_scale``, applied to the
+    dot's result) so that f16 probabilities keep their range."""
+    step_scale = None
+    if v_tok is not None:
+        v_max = jnp.max(v_tok)
+        v_max = jnp.where(v_max > 0, v_max, 1.0)
+        probs = probs * (v_tok * (1.0 / v_max))[None, :]
+        step_scale = v_max
+    return probs.astype(compute_dtype), step_scale
+
+
+def init_carry(rows, d_acc, num_accs):
+    """The loop carry: ``num_accs`` f32 accumulators ``[R, d_acc]``, running max and sum [R]."""
+    return (
+        tuple(jnp.zeros((rows, d_acc), jnp.float32) for _ in range(num_accs)),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+
+
+def fold_sinks(sinks_ref, heads, mask, m_i, l_i, accs):
+    """One extra logit per head (``sinks_ref[heads]`` [R]), in the denominator only:
+    ``(l_i, accs)`` rescaled to the new max."""
+    sink = plgpu.load(sinks_ref.at[heads], mask=mask, other=0.0) * LOG2E  # [R]
+    m_fin = jnp.maximum(m_i, sink)
+    corr = jnp.exp2(m_i - m_fin)
+    l_i = l_i * corr + jnp.exp2(sink - m_fin)
+    return l_i, tuple(acc * corr[:, None] for acc in accs)
+
+
+def kernel_operands(positions, block_tables, q, k_pages, k_scale, k_global, v_pages, v_scale,
+                    v_global, sinks):
+    """The ``pallas_call`` operands of either kernel: row-major (free) views, the per-token
+    arrays ``[N, P, Hk, ...]`` as rows ``[N * P * Hk, ...]``."""
+    flat_rows = lambda a: None if a is None else a.reshape(-1, *a.shape[3:])  # noqa: E731
+    return (
+        positions.reshape(-1),
+        block_tables.reshape(-1),
+        q.reshape(-1, q.shape[3]),
+        flat_rows(k_pages),
+        flat_rows(k_scale),
+        flat_rows(k_global),
+        flat_rows(v_pages),
+        flat_rows(v_scale),
+        flat_rows(v_global),
+        sinks,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,16 +374,9 @@ def paged_decode_kernel(
     col = jnp.arange(d // 2 if st.split_d else d, dtype=jnp.int32)
     col_sets = (2 * col, 2 * col + 1) if st.split_d else (col,)
 
-    q_halves = tuple(
-        plgpu.load(q_ref.at[_grid(q_rows, cols)], mask=row_mask, other=0.0).astype(jnp.float32)
-        for cols in col_sets
+    q_halves, logit_rows = load_q_block(
+        q_ref, q_rows, col_sets, row_ok, st.compute_dtype, row_mask=row_mask
     )  # [R, D] | NVFP4 [R, D/2] x 2
-    logit_rows = None  # f16 operands: per-row power-of-two scaling of q, undone on the logits
-    if st.compute_dtype == jnp.float16:
-        amax_q = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(qh), axis=1) for qh in q_halves])
-        up, logit_rows = _pow2_row_scales(amax_q)  # [R], [R]
-        q_halves = tuple(qh * up[:, None] for qh in q_halves)
-    q_halves = tuple(qh.astype(st.compute_dtype) for qh in q_halves)
 
     seq_len = seq_lens_ref[b]
     q_pos = seq_len - nq + qi  # [R] position of each row's query (padding rows: >= seq_len)
@@ -250,33 +397,6 @@ def paged_decode_kernel(
     tt = jnp.arange(t_step, dtype=jnp.int32)  # token within the step
     kv_row_in_page = rem(tt, p) * st.num_kv_heads + h  # [T]
 
-    def load_kv(data_ref, scale_ref, global_ref, rows, tok_ok):
-        """Gathers the step's rows of one kv head: (tiles, f32 per-token factor [T] | None).
-
-        Tiles are the dot operands: ``([T, D],)``, or NVFP4's ``(even d, odd d)`` [T, D/2].
-        """
-        mask = tok_ok[:, None]
-        cols = jnp.arange(data_ref.shape[1], dtype=jnp.int32)
-        raw = plgpu.load(
-            data_ref.at[_grid(rows, cols)], mask=mask, other=_zero_like(data_ref.dtype)
-        )
-        match st.kv_dtype:
-            case KVDtype.FLOAT32 | KVDtype.BF16:
-                return (raw,), None
-            case KVDtype.FP8:
-                s = plgpu.load(scale_ref.at[rows], mask=tok_ok, other=0.0)  # [T] f32
-                return (raw.astype(jnp.float16),), s  # exact; cvt.rn.f16x2.e4m3x2
-            case KVDtype.NVFP4:
-                s_cols = jnp.arange(scale_ref.shape[1], dtype=jnp.int32)
-                blk = plgpu.load(
-                    scale_ref.at[_grid(rows, s_cols)], mask=mask, other=0.0
-                )  # [T, D/16] e4m3
-                blk = _repeat_cols(blk.astype(jnp.float16), NVFP4_GROUP // 2)  # [T, D/2]
-                lo, hi = fp4_to_f16_scaled(raw, st.inline_asm)  # even d, odd d; * 2^-14
-                gs = plgpu.load(global_ref.at[rows], mask=tok_ok, other=0.0)  # [T] f32
-                return (lo * blk, hi * blk), gs * F16_FP4_FACTOR
-
-    logit_factor = st.scale * LOG2E  # logits in base 2 from here on
 
     def body(j, carry):
         accs, m_prev, l_prev = carry
@@ -288,41 +408,20 @@ def paged_decode_kernel(
         )  # [T] page id of each token (one id per page, broadcast by the cache)
         rows = page_ids * (p * st.num_kv_heads) + kv_row_in_page  # [T] rows of k_ref / v_ref
 
-        k_tiles, k_tok = load_kv(k_ref, k_scale_ref, k_global_ref, rows, tok_ok)
-        v_tiles, v_tok = load_kv(v_ref, v_scale_ref, v_global_ref, rows, tok_ok)
+        load = functools.partial(load_kv_tile, st.kv_dtype, inline_asm=st.inline_asm)
+        k_tiles, k_tok = load(k_ref, k_scale_ref, k_global_ref, rows, tok_ok)
+        v_tiles, v_tok = load(v_ref, v_scale_ref, v_global_ref, rows, tok_ok)
 
-        s = _dot_nt(q_halves[0], k_tiles[0], st.precision)  # [R, T] f32
-        for qh, kh in zip(q_halves[1:], k_tiles[1:], strict=True):
-            s = s + _dot_nt(qh, kh, st.precision)
-        if logit_rows is not None:
-            s = s * logit_rows[:, None]
-        if st.logit_softcap is None:
-            col = logit_factor if k_tok is None else (k_tok * logit_factor)[None, :]
-            s = s * col
-        else:
-            if k_tok is not None:
-                s = s * k_tok[None, :]
-            c = st.logit_softcap
-            s = jnp.tanh(s * (st.scale / c)) * (c * LOG2E)
+        s = step_logits(q_halves, k_tiles, k_tok, logit_rows, st)  # [R, T] f32
 
         visible = tok_ok[None, :] & (pos[None, :] <= q_pos[:, None])  # [R, T]
         if st.sliding_window is not None:
             visible &= pos[None, :] > (q_pos - st.sliding_window)[:, None]
         s = jnp.where(visible, s, -jnp.inf)
 
-        m_next = jnp.maximum(m_prev, s.max(axis=1))  # [R]
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen nothing yet
-        alpha = jnp.exp2(m_prev - m_safe)  # [R]
-        probs = jnp.exp2(s - m_safe[:, None])  # [R, T]
-        l_next = l_prev * alpha + probs.sum(axis=1)
+        m_next, alpha, probs, l_next = online_softmax(s, m_prev, l_prev)
         out_scale = alpha[:, None]  # [R, 1] rescales the accumulator before this step's sum
-        step_scale = None
-        if v_tok is not None:  # per-token V factor on the probabilities' columns, normalized
-            v_max = jnp.max(v_tok)  # by the step's largest so the f16 probabilities keep range
-            v_max = jnp.where(v_max > 0, v_max, 1.0)
-            probs = probs * (v_tok * (1.0 / v_max))[None, :]
-            step_scale = v_max
-        probs = probs.astype(st.compute_dtype)
+        probs, step_scale = probs_operand(probs, v_tok, st.compute_dtype)
         new_accs = []
         for acc, vt in zip(accs, v_tiles, strict=True):
             pv = _dot_nn(probs, vt, st.precision)  # [R, D(/2)]
@@ -330,18 +429,11 @@ def paged_decode_kernel(
         return tuple(new_accs), m_next, l_next
 
     d_acc = d // 2 if st.split_d else d
-    accs = tuple(jnp.zeros((r_pad, d_acc), jnp.float32) for _ in q_halves)
-    m_i = jnp.full((r_pad,), -jnp.inf, jnp.float32)
-    l_i = jnp.zeros((r_pad,), jnp.float32)
-    accs, m_i, l_i = jax.lax.fori_loop(j0, j1, body, (accs, m_i, l_i))
+    accs, m_i, l_i = jax.lax.fori_loop(j0, j1, body, init_carry(r_pad, d_acc, len(q_halves)))
 
     if st.num_splits == 1:
         if sinks_ref is not None:  # one extra logit per head, in the denominator only
-            sink = plgpu.load(sinks_ref.at[h * g + gi], mask=row_ok, other=0.0) * LOG2E  # [R]
-            m_fin = jnp.maximum(m_i, sink)
-            corr = jnp.exp2(m_i - m_fin)
-            l_i = l_i * corr + jnp.exp2(sink - m_fin)
-            accs = tuple(acc * corr[:, None] for acc in accs)
+            l_i, accs = fold_sinks(sinks_ref, h * g + gi, row_ok, m_i, l_i, accs)
         out_rows = q_rows
     else:
         out_rows = ((b * st.num_kv_heads + h) * st.num_splits + split) * (nq * g) + r
@@ -381,7 +473,6 @@ def _paged_decode_pallas(
 ):
     b = q.shape[0]
     rows = q.shape[0] * q.shape[1] * q.shape[2]
-    flat_rows = lambda a: None if a is None else a.reshape(-1, *a.shape[3:])  # noqa: E731
     qg = st.q_len * st.group
     if st.num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((rows, st.head_dim), out_dtype)  # final rows
@@ -410,16 +501,18 @@ def _paged_decode_pallas(
             f"_t{st.tokens_per_step}_s{st.num_splits}"
         ),
     )(
-        seq_lens,
-        block_tables.reshape(-1),
-        q.reshape(rows, st.head_dim),
-        flat_rows(k_pages),
-        flat_rows(k_scale),
-        flat_rows(k_global),
-        flat_rows(v_pages),
-        flat_rows(v_scale),
-        flat_rows(v_global),
-        sinks if st.num_splits == 1 else None,
+        *kernel_operands(
+            seq_lens,
+            block_tables,
+            q,
+            k_pages,
+            k_scale,
+            k_global,
+            v_pages,
+            v_scale,
+            v_global,
+            sinks if st.num_splits == 1 else None,
+        )
     )
     if st.num_splits == 1:
         return out.reshape(q.shape[:3] + (st.head_dim,))
@@ -512,6 +605,60 @@ def _check_scales(kv_dtype, n, p, hk, d, scales):
     return out
 
 
+def _check_pages(q, k_pages, v_pages, block_tables, kv_dtype):
+    """Checks the pages and the block table against ``q [B, S, Hq, D]``; returns N, P, Hk."""
+    b, _, hq, d = q.shape
+    if k_pages.ndim != 4:
+        raise ValueError(f"k_pages: expected rank 4 [N, P, Hk, D], got shape {k_pages.shape}")
+    n, p, hk, d_store = k_pages.shape
+    _expect_shape("v_pages", v_pages, k_pages.shape)
+    _expect_dtype("k_pages", k_pages, (_PAGE_DTYPES[kv_dtype],))
+    _expect_dtype("v_pages", v_pages, (_PAGE_DTYPES[kv_dtype],))
+    d_kv = 2 * d_store if kv_dtype is KVDtype.NVFP4 else d_store
+    if d_kv != d:
+        raise ValueError(
+            f"k_pages: head_dim {d_kv} (last dim {d_store}, kv_dtype {kv_dtype.value}) does not "
+            f"match q's head_dim {d}"
+        )
+    if hq % hk:
+        raise ValueError(f"q: {hq} query heads are not a multiple of the {hk} kv heads of k_pages")
+    if block_tables.ndim != 2 or block_tables.shape[0] != b:
+        raise ValueError(f"block_tables: expected shape ({b}, Pt), got {block_tables.shape}")
+    if not jnp.issubdtype(block_tables.dtype, jnp.integer):
+        raise TypeError(f"block_tables: expected an integer dtype, got {block_tables.dtype}")
+    return n, p, hk
+
+
+def _out_dtype(q, out_dtype):
+    """The output dtype (default: q's), checked."""
+    out_dtype = jnp.dtype(q.dtype if out_dtype is None else out_dtype)
+    if out_dtype not in [jnp.dtype(t) for t in _OUT_DTYPES]:
+        raise NotImplementedError(f"out_dtype: {out_dtype} not supported (bf16, f16, f32)")
+    return out_dtype
+
+
+def _check_options(scale, sliding_window, logit_softcap) -> None:
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+        raise ValueError(f"scale: expected a positive float, got {scale!r}")
+    w = sliding_window
+    if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w <= 0):
+        raise ValueError(f"sliding_window: expected a positive int or None, got {w!r}")
+    c = logit_softcap
+    if c is not None and (not isinstance(c, (int, float)) or not c > 0):
+        raise ValueError(f"logit_softcap: expected a positive float or None, got {c!r}")
+
+
+def _check_offsets(k_pages, v_pages) -> None:
+    for name, arr in (("k_pages", k_pages), ("v_pages", v_pages)):
+        # Pallas-Triton offsets are 32-bit below 4 GiB: a 1-byte array with >= 2^31 elements
+        # would wrap (the lowering switches to 64-bit only above 2^32 bytes).
+        if arr.dtype.itemsize == 1 and 2**31 <= arr.size <= 2**32:
+            raise NotImplementedError(
+                f"{name}: {arr.size} one-byte elements (2-4 GiB) overflow Pallas-Triton's 32-bit "
+                "offsets; use fewer or more pages"
+            )
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -567,24 +714,7 @@ def paged_decode(
     b, nq, hq, d = q.shape
     if q.dtype not in [jnp.dtype(t) for t in _Q_DTYPES]:
         raise TypeError(f"q: expected dtype bf16, f16 or f32, got {q.dtype}")
-    if k_pages.ndim != 4:
-        raise ValueError(f"k_pages: expected rank 4 [N, P, Hk, D], got shape {k_pages.shape}")
-    n, p, hk, d_store = k_pages.shape
-    _expect_shape("v_pages", v_pages, k_pages.shape)
-    _expect_dtype("k_pages", k_pages, (_PAGE_DTYPES[kv_dtype],))
-    _expect_dtype("v_pages", v_pages, (_PAGE_DTYPES[kv_dtype],))
-    d_kv = 2 * d_store if kv_dtype is KVDtype.NVFP4 else d_store
-    if d_kv != d:
-        raise ValueError(
-            f"k_pages: head_dim {d_kv} (last dim {d_store}, kv_dtype {kv_dtype.value}) does not "
-            f"match q's head_dim {d}"
-        )
-    if hq % hk:
-        raise ValueError(f"q: {hq} query heads are not a multiple of the {hk} kv heads of k_pages")
-    if block_tables.ndim != 2 or block_tables.shape[0] != b:
-        raise ValueError(f"block_tables: expected shape ({b}, Pt), got {block_tables.shape}")
-    if not jnp.issubdtype(block_tables.dtype, jnp.integer):
-        raise TypeError(f"block_tables: expected an integer dtype, got {block_tables.dtype}")
+    n, p, hk = _check_pages(q, k_pages, v_pages, block_tables, kv_dtype)
     _expect_shape("seq_lens", seq_lens, (b,))
     if not jnp.issubdtype(seq_lens.dtype, jnp.integer):
         raise TypeError(f"seq_lens: expected an integer dtype, got {seq_lens.dtype}")
@@ -603,23 +733,10 @@ def paged_decode(
             v_global_scale=v_global_scale,
         ),
     )
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
-        raise ValueError(f"scale: expected a positive float, got {scale!r}")
-    if sliding_window is not None and (
-        not isinstance(sliding_window, int)
-        or isinstance(sliding_window, bool)
-        or sliding_window <= 0
-    ):
-        raise ValueError(f"sliding_window: expected a positive int or None, got {sliding_window!r}")
-    if logit_softcap is not None and (
-        not isinstance(logit_softcap, (int, float)) or not logit_softcap > 0
-    ):
-        raise ValueError(f"logit_softcap: expected a positive float or None, got {logit_softcap!r}")
+    _check_options(scale, sliding_window, logit_softcap)
     if config is not None and not isinstance(config, DecodeConfig):
         raise TypeError(f"config: expected a DecodeConfig or None, got {type(config).__name__}")
-    out_dtype = jnp.dtype(q.dtype if out_dtype is None else out_dtype)
-    if out_dtype not in [jnp.dtype(t) for t in _OUT_DTYPES]:
-        raise NotImplementedError(f"out_dtype: {out_dtype} not supported (bf16, f16, f32)")
+    out_dtype = _out_dtype(q, out_dtype)
 
     # ---- unsupported combinations ----
     if d not in HEAD_DIMS:
@@ -635,14 +752,7 @@ def paged_decode(
         )
     if n * p * hk >= 2**31:
         raise NotImplementedError(f"k_pages: {n * p * hk} rows exceed the kernel's int32 row ids")
-    for name, arr in (("k_pages", k_pages), ("v_pages", v_pages)):
-        # Pallas-Triton offsets are 32-bit below 4 GiB: a 1-byte array with >= 2^31 elements
-        # would wrap (the lowering switches to 64-bit only above 2^32 bytes).
-        if arr.dtype.itemsize == 1 and 2**31 <= arr.size <= 2**32:
-            raise NotImplementedError(
-                f"{name}: {arr.size} one-byte elements (2-4 GiB) overflow Pallas-Triton's 32-bit "
-                "offsets; use fewer or more pages"
-            )
+    _check_offsets(k_pages, v_pages)
 
     if b == 0 or nq == 0 or block_tables.shape[1] == 0:  # nothing to read: every row is 0
         return jnp.zeros(q.shape, out_dtype)

@@ -28,8 +28,9 @@ between are seen whole by every row and run without any mask -- for a long promp
 of them. Padding rows take part in those unmasked steps (q loaded as 0) and are zeroed at the
 end, as are rows that see no key and have no sink.
 
-The file reads top-down: the K/V tile loader, the kernel body on refs, the ``pallas_call``
-wrapper, the jitted public entry.
+The file reads top-down: the kernel body on refs (its K/V tile loader, query-block load, logits
+and online-softmax steps are ``decode.py``'s), the ``pallas_call`` wrapper, the jitted public
+entry.
 """
 
 from __future__ import annotations
@@ -42,69 +43,38 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._dequant import e2m1_to_f16_scaled
 from pallas_kernels._device import device_sm_count
 from pallas_kernels.paged_attention.config import (
     HEAD_DIMS,
-    NVFP4_GROUP,
     KVDtype,
     PrefillConfig,
     choose_prefill_config,
 )
 from pallas_kernels.paged_attention.decode import (
-    _OUT_DTYPES,
-    _PAGE_DTYPES,
     _Q_DTYPES,
-    LOG2E,
+    _check_offsets,
+    _check_options,
+    _check_pages,
     _check_scales,
     _dot_nn,
-    _dot_nt,
     _expect_dtype,
     _expect_shape,
     _grid,
-    _pow2_row_scales,
-    _repeat_cols,
-    _zero_like,
+    _out_dtype,
+    _StaticKV,
+    fold_sinks,
+    init_carry,
+    kernel_operands,
+    load_kv_tile,
+    load_q_block,
+    online_softmax,
+    probs_operand,
+    step_logits,
 )
-
-# ---------------------------------------------------------------------------------------------
-# K/V tile loader.
-# ---------------------------------------------------------------------------------------------
-
-
-def load_kv_tile(kv_dtype: KVDtype, data_ref, scale_ref, global_ref, rows, tok_ok):
-    """Gathers ``rows`` ([T] row ids) of one kv head: (tiles, f32 per-token factor [T] | None).
-
-    Tiles are the dot operands: ``([T, D],)``, or NVFP4's ``(even d, odd d)`` [T, D/2] f16 (times
-    2^-14, folded into the factor). ``tok_ok`` [T] masks the loads (None: no mask).
-    """
-    mask = None if tok_ok is None else tok_ok[:, None]
-    cols = jnp.arange(data_ref.shape[1], dtype=jnp.int32)
-    raw = plgpu.load(
-        data_ref.at[_grid(rows, cols)],
-        mask=mask,
-        other=None if mask is None else _zero_like(data_ref.dtype),
-    )
-    other = None if tok_ok is None else 0.0
-    match kv_dtype:
-        case KVDtype.FLOAT32 | KVDtype.BF16:
-            return (raw,), None
-        case KVDtype.FP8:
-            s = plgpu.load(scale_ref.at[rows], mask=tok_ok, other=other)  # [T] f32
-            return (raw.astype(jnp.float16),), s  # exact
-        case KVDtype.NVFP4:
-            codes = raw.astype(jnp.int32)  # [T, D/2]
-            s_cols = jnp.arange(scale_ref.shape[1], dtype=jnp.int32)
-            blk = plgpu.load(scale_ref.at[_grid(rows, s_cols)], mask=mask, other=other)
-            blk = _repeat_cols(blk.astype(jnp.float16), NVFP4_GROUP // 2)  # [T, D/2]
-            lo_vals = e2m1_to_f16_scaled(codes) * blk  # even d, * 2^-14
-            hi_vals = e2m1_to_f16_scaled(codes >> 4) * blk  # odd d, * 2^-14
-            gs = plgpu.load(global_ref.at[rows], mask=tok_ok, other=other)  # [T] f32
-            return (lo_vals, hi_vals), gs * 2.0**14
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
+class _Static(_StaticKV):
     """Everything the kernel body specializes on (hashable)."""
 
     kv_dtype: KVDtype
@@ -124,27 +94,13 @@ class _Static:
     logit_softcap: float | None
 
     @property
-    def tokens_per_step(self) -> int:
-        return self.pages_per_step * self.page_size
-
-    @property
     def num_q_tiles(self) -> int:
         return -(-self.q_len // self.block_q)
 
-    @property
-    def compute_dtype(self):
-        """Dot operand dtype (f16 for FP8 and NVFP4: see ``decode.py``)."""
-        match self.kv_dtype:
-            case KVDtype.FLOAT32:
-                return jnp.float32
-            case KVDtype.BF16:
-                return jnp.bfloat16
-            case KVDtype.FP8 | KVDtype.NVFP4:
-                return jnp.float16
 
-    @property
-    def precision(self):
-        return jax.lax.Precision.HIGHEST if self.kv_dtype is KVDtype.FLOAT32 else None
+# ---------------------------------------------------------------------------------------------
+# Kernel body.
+# ---------------------------------------------------------------------------------------------
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,18 +143,8 @@ def paged_prefill_kernel(
     q_rows = (b * nq + qs) * st.num_q_heads + h0 + gi  # [R] rows of q_ref / o_ref
     col = jnp.arange(d // 2 if nvfp4 else d, dtype=jnp.int32)
     col_sets = (2 * col, 2 * col + 1) if nvfp4 else (col,)
-    q_halves = tuple(
-        plgpu.load(q_ref.at[_grid(q_rows, cols)], mask=row_ok[:, None], other=0.0).astype(
-            jnp.float32
-        )
-        for cols in col_sets
-    )  # [R, D] | NVFP4 [R, D/2] x 2; padding rows 0
-    logit_rows = None  # f16 operands: per-row power-of-two scaling of q, undone on the logits
-    if st.compute_dtype == jnp.float16:
-        amax_q = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(qh), axis=1) for qh in q_halves])
-        up, logit_rows = _pow2_row_scales(amax_q)  # [R], [R]
-        q_halves = tuple(qh * up[:, None] for qh in q_halves)
-    q_halves = tuple(qh.astype(st.compute_dtype) for qh in q_halves)
+    # [R, D] | NVFP4 [R, D/2] x 2; padding rows 0
+    q_halves, logit_rows = load_q_block(q_ref, q_rows, col_sets, row_ok, st.compute_dtype)
 
     # ---- the keys this tile reads: [lo, hi), and the steps that need no mask ----
     big = jnp.int32(2**30)
@@ -222,7 +168,6 @@ def paged_prefill_kernel(
 
     tt = jnp.arange(t_step, dtype=jnp.int32)  # token within the step
     kv_row_in_page = rem(tt, p) * st.num_kv_heads + h  # [T]
-    logit_factor = st.scale * LOG2E  # logits in base 2 from here on
 
     def step(j, carry, *, masked: bool):
         accs, m_prev, l_prev = carry
@@ -243,33 +188,12 @@ def paged_prefill_kernel(
         k_tiles, k_tok = load_kv_tile(st.kv_dtype, k_ref, k_scale_ref, k_global_ref, rows, seen)
         v_tiles, v_tok = load_kv_tile(st.kv_dtype, v_ref, v_scale_ref, v_global_ref, rows, seen)
 
-        s = _dot_nt(q_halves[0], k_tiles[0], st.precision)  # [R, T] f32
-        for qh, kh in zip(q_halves[1:], k_tiles[1:], strict=True):
-            s = s + _dot_nt(qh, kh, st.precision)
-        if logit_rows is not None:
-            s = s * logit_rows[:, None]
-        if st.logit_softcap is None:
-            s = s * (logit_factor if k_tok is None else (k_tok * logit_factor)[None, :])
-        else:
-            if k_tok is not None:
-                s = s * k_tok[None, :]
-            cap = st.logit_softcap
-            s = jnp.tanh(s * (st.scale / cap)) * (cap * LOG2E)
+        s = step_logits(q_halves, k_tiles, k_tok, logit_rows, st)  # [R, T] f32
         if masked:
             s = jnp.where(visible, s, -jnp.inf)
 
-        m_next = jnp.maximum(m_prev, s.max(axis=1))  # [R]
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row that has seen nothing yet
-        alpha = jnp.exp2(m_prev - m_safe)  # [R]
-        probs = jnp.exp2(s - m_safe[:, None])  # [R, T]
-        l_next = l_prev * alpha + probs.sum(axis=1)
-        step_scale = None
-        if v_tok is not None:  # per-token V factor on the probabilities' columns, normalized
-            v_max = jnp.max(v_tok)  # by the step's largest so the f16 probabilities keep range
-            v_max = jnp.where(v_max > 0, v_max, 1.0)
-            probs = probs * (v_tok * (1.0 / v_max))[None, :]
-            step_scale = v_max
-        probs = probs.astype(st.compute_dtype)
+        m_next, alpha, probs, l_next = online_softmax(s, m_prev, l_prev)
+        probs, step_scale = probs_operand(probs, v_tok, st.compute_dtype)
         new_accs = []
         for acc, vt in zip(accs, v_tiles, strict=True):
             pv = _dot_nn(probs, vt, st.precision)  # [R, D(/2)]
@@ -277,11 +201,7 @@ def paged_prefill_kernel(
         return tuple(new_accs), m_next, l_next
 
     d_acc = d // 2 if nvfp4 else d
-    carry = (
-        tuple(jnp.zeros((st.rows, d_acc), jnp.float32) for _ in q_halves),
-        jnp.full((st.rows,), -jnp.inf, jnp.float32),
-        jnp.zeros((st.rows,), jnp.float32),
-    )
+    carry = init_carry(st.rows, d_acc, len(q_halves))
     masked_step = functools.partial(step, masked=True)
     if st.sliding_window is not None:  # steps crossing the window's lower edge
         carry = jax.lax.fori_loop(0, a, masked_step, carry)
@@ -289,11 +209,7 @@ def paged_prefill_kernel(
     accs, m_i, l_i = jax.lax.fori_loop(c, num_steps, masked_step, carry)  # the diagonal
 
     if sinks_ref is not None:  # one extra logit per head, in the denominator only
-        sink = plgpu.load(sinks_ref.at[h0 + gi], mask=row_in, other=0.0) * LOG2E  # [R]
-        m_fin = jnp.maximum(m_i, sink)
-        corr = jnp.exp2(m_i - m_fin)
-        l_i = l_i * corr + jnp.exp2(sink - m_fin)
-        accs = tuple(acc * corr[:, None] for acc in accs)
+        l_i, accs = fold_sinks(sinks_ref, h0 + gi, row_in, m_i, l_i, accs)
     ok = row_ok & (l_i > 0)  # padding rows and rows that saw nothing: 0
     inv_l = jnp.where(ok, 1.0 / jnp.where(ok, l_i, 1.0), 0.0)[:, None]
     # Rows past the chunk point past the end: the GPU skips them, the interpreter drops them.
@@ -327,7 +243,6 @@ def _paged_prefill_pallas(
 ):
     b = q.shape[0]
     rows = q.shape[0] * q.shape[1] * q.shape[2]
-    flat_rows = lambda a: None if a is None else a.reshape(-1, *a.shape[3:])  # noqa: E731
     # No BlockSpecs, as in decode.py: every operand is passed whole (a pointer in Triton); the
     # pages a program reads come from the block table, its q / o rows are strided gathers of
     # the head group, and all reshapes below are free (row-major views).
@@ -342,16 +257,9 @@ def _paged_prefill_pallas(
         interpret=interpret,
         name=(f"paged_prefill_{st.kv_dtype.value}_d{st.head_dim}_r{st.rows}_t{st.tokens_per_step}"),
     )(
-        q_pos.reshape(-1),
-        block_tables.reshape(-1),
-        q.reshape(rows, st.head_dim),
-        flat_rows(k_pages),
-        flat_rows(k_scale),
-        flat_rows(k_global),
-        flat_rows(v_pages),
-        flat_rows(v_scale),
-        flat_rows(v_global),
-        sinks,
+        *kernel_operands(
+            q_pos, block_tables, q, k_pages, k_scale, k_global, v_pages, v_scale, v_global, sinks
+        )
     )
     return out.reshape(q.shape[:3] + (st.head_dim,))
 
@@ -359,17 +267,6 @@ def _paged_prefill_pallas(
 # ---------------------------------------------------------------------------------------------
 # Public entry.
 # ---------------------------------------------------------------------------------------------
-
-
-def _check_options(scale, sliding_window, logit_softcap) -> None:
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
-        raise ValueError(f"scale: expected a positive float, got {scale!r}")
-    w = sliding_window
-    if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w <= 0):
-        raise ValueError(f"sliding_window: expected a positive int or None, got {w!r}")
-    c = logit_softcap
-    if c is not None and (not isinstance(c, (int, float)) or not c > 0):
-        raise ValueError(f"logit_softcap: expected a positive float or None, got {c!r}")
 
 
 @functools.partial(
@@ -425,24 +322,7 @@ def paged_prefill(
         raise ValueError(f"q: expected rank 4 [B, S, Hq, D], got shape {q.shape}")
     b, nq, hq, d = q.shape
     _expect_dtype("q", q, _Q_DTYPES)
-    if k_pages.ndim != 4:
-        raise ValueError(f"k_pages: expected rank 4 [N, P, Hk, D], got shape {k_pages.shape}")
-    n, p, hk, d_store = k_pages.shape
-    _expect_shape("v_pages", v_pages, k_pages.shape)
-    _expect_dtype("k_pages", k_pages, (_PAGE_DTYPES[kv_dtype],))
-    _expect_dtype("v_pages", v_pages, (_PAGE_DTYPES[kv_dtype],))
-    d_kv = 2 * d_store if kv_dtype is KVDtype.NVFP4 else d_store
-    if d_kv != d:
-        raise ValueError(
-            f"k_pages: head_dim {d_kv} (last dim {d_store}, kv_dtype {kv_dtype.value}) does not "
-            f"match q's head_dim {d}"
-        )
-    if hq % hk:
-        raise ValueError(f"q: {hq} query heads are not a multiple of the {hk} kv heads of k_pages")
-    if block_tables.ndim != 2 or block_tables.shape[0] != b:
-        raise ValueError(f"block_tables: expected shape ({b}, Pt), got {block_tables.shape}")
-    if not jnp.issubdtype(block_tables.dtype, jnp.integer):
-        raise TypeError(f"block_tables: expected an integer dtype, got {block_tables.dtype}")
+    n, p, hk = _check_pages(q, k_pages, v_pages, block_tables, kv_dtype)
     _expect_shape("q_pos", q_pos, (b, nq))
     if not jnp.issubdtype(q_pos.dtype, jnp.integer):
         raise TypeError(f"q_pos: expected an integer dtype, got {q_pos.dtype}")
@@ -454,9 +334,7 @@ def paged_prefill(
     _check_options(scale, sliding_window, logit_softcap)
     if config is not None and not isinstance(config, PrefillConfig):
         raise TypeError(f"config: expected a PrefillConfig or None, got {type(config).__name__}")
-    out_dtype = jnp.dtype(q.dtype if out_dtype is None else out_dtype)
-    if out_dtype not in [jnp.dtype(t) for t in _OUT_DTYPES]:
-        raise NotImplementedError(f"out_dtype: {out_dtype} not supported (bf16, f16, f32)")
+    out_dtype = _out_dtype(q, out_dtype)
 
     # ---- unsupported combinations ----
     if d not in HEAD_DIMS:
@@ -467,12 +345,7 @@ def paged_prefill(
         )
     if n * p * hk >= 2**31 or b * nq * hq >= 2**31:
         raise NotImplementedError("k_pages / q: rows exceed the kernel's int32 row ids")
-    for name, arr in (("k_pages", k_pages), ("v_pages", v_pages)):
-        if arr.dtype.itemsize == 1 and 2**31 <= arr.size <= 2**32:  # as in decode.py
-            raise NotImplementedError(
-                f"{name}: {arr.size} one-byte elements (2-4 GiB) overflow Pallas-Triton's 32-bit "
-                "offsets; use fewer or more pages"
-            )
+    _check_offsets(k_pages, v_pages)
 
     if b == 0 or nq == 0 or block_tables.shape[1] == 0:  # nothing to read: every row is 0
         return jnp.zeros(q.shape, out_dtype)
