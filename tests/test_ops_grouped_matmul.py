@@ -106,3 +106,28 @@ def test_mosaic_kernel_unsupported_raises():
     # the Triton kernel, which takes a bias.
     auto = ops.grouped_matmul(x, w, gs, bias=jnp.ones((4, 64)), kernels=PALLAS)
     chex.assert_shape(auto, (50, 64))
+
+
+def test_auto_kernel_choice(monkeypatch):
+    """gmm_kernel="auto" on an (emulated) sm_90 GPU: Mosaic for what it supports, Triton for
+    quantized weights, a bias, a Triton tile override, or another GPU generation."""
+    import importlib
+
+    gm = importlib.import_module("atlas_jax.ops.grouped_matmul")  # the module, not the function
+    pk = importlib.import_module("pallas_kernels.grouped_matmul")
+
+    monkeypatch.setattr(gm, "interpret_mode", lambda: False)
+    monkeypatch.setattr(pk, "device_compute_capability", lambda: (9, 0))
+    x, w, _ = inputs(Format.BF16)
+    xq, wq, _ = inputs(Format.NVFP4)
+    assert gm._use_mosaic(x, w, None, None, PALLAS)
+    x2, w2, _ = inputs(Format.BF16, n=128)  # I = 64: Mosaic's f32 epilogue tile fits
+    assert gm._use_mosaic(x2, w2, None, GateUp(Activation.SILU), PALLAS)
+    assert not gm._use_mosaic(x, w, None, GateUp(Activation.SILU), PALLAS)  # I = 32: it does not
+    assert not gm._use_mosaic(xq, wq, None, None, PALLAS)
+    assert not gm._use_mosaic(x, w, jnp.ones((4, 64)), None, PALLAS)
+    assert not gm._use_mosaic(x, w, None, None, PALLAS.replace(gmm_block_m=64))
+    assert not gm._use_mosaic(x, w, None, None, PALLAS.replace(gmm_kernel="triton"))
+    assert gm._use_mosaic(xq, wq, None, None, MOSAIC)  # explicit: raises later, with the reason
+    monkeypatch.setattr(pk, "device_compute_capability", lambda: (12, 1))  # GB10
+    assert not gm._use_mosaic(x, w, None, None, PALLAS)

@@ -79,8 +79,10 @@ def grouped_matmul_pallas(
 def _use_mosaic(x, w: QTensor, bias, epilogue: GateUp | None,
                 kernels: KernelConfig | None) -> bool:
     """KernelConfig.gmm_kernel, with "auto" resolved: Mosaic GPU on an sm_90 GPU when it supports
-    the problem (BF16 weights and activations, concatenated gate_up, no bias, its shape limits)."""
-    match (kernels or KernelConfig()).gmm_kernel:
+    the problem (BF16 weights and activations, concatenated gate_up, no bias, its shape limits)
+    and no ``gmm_*`` tile override asks for the Triton kernel's tiles."""
+    k = kernels or KernelConfig()
+    match k.gmm_kernel:
         case GmmKernel.TRITON:
             return False
         case GmmKernel.MOSAIC:
@@ -88,6 +90,10 @@ def _use_mosaic(x, w: QTensor, bias, epilogue: GateUp | None,
         case GmmKernel.AUTO:
             from pallas_kernels.grouped_matmul import device_compute_capability
 
+            overrides = (k.gmm_block_m, k.gmm_block_n, k.gmm_block_k, k.gmm_gate_up_block_m,
+                         k.gmm_num_stages)
+            if any(v is not None for v in overrides):
+                return False
             if interpret_mode() or device_compute_capability() != (9, 0):
                 return False
             return _mosaic_unsupported(x, w, bias, epilogue) is None
