@@ -8,8 +8,9 @@ member (or string) with the same ``.value`` through ``coerce``.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
+
+from pallas_kernels._enums import CoercibleEnum
 
 # Elements of K that share one scale, per format (fixed by the formats themselves).
 NVFP4_GROUP = 16  # one E4M3 scale per 16 E2M1 values along K
@@ -18,21 +19,7 @@ FP8_ACT_GROUP = 128  # W8A8: one f32 activation scale per token per 128 elements
 FP8_E4M3_MAX = 448.0
 
 
-class _CoercibleEnum(enum.Enum):
-    @classmethod
-    def coerce(cls, value):
-        """Returns the member for ``value``: a member, a str, or any enum with the same value."""
-        if isinstance(value, cls):
-            return value
-        raw = value.value if isinstance(value, enum.Enum) else value
-        try:
-            return cls(raw)
-        except ValueError:
-            allowed = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"{cls.__name__}: expected one of {allowed}, got {value!r}") from None
-
-
-class WeightFormat(_CoercibleEnum):
+class WeightFormat(CoercibleEnum):
     """Storage format of the expert weights ``w [G, N, K]`` (values match ``atlas_jax`` Format)."""
 
     BF16 = "bf16"  # w [G, N, K] bf16 (or f16/f32)
@@ -41,7 +28,7 @@ class WeightFormat(_CoercibleEnum):
     MXFP4 = "mxfp4"  # w [G, N, K//2] u8, scale [G, N, K//32] u8 (E8M0 bits)
 
 
-class Activation(_CoercibleEnum):
+class Activation(CoercibleEnum):
     """Gated activation of the fused gate_up epilogue: ``out = act(gate) * up``."""
 
     SILU = "silu"  # SwiGLU: silu(gate) * up
@@ -49,14 +36,14 @@ class Activation(_CoercibleEnum):
     GPT_OSS = "gpt_oss"  # g=min(gate,limit), u=clip(up,-limit,limit), (u+1)*g*sigmoid(alpha*g)
 
 
-class GateUpLayout(_CoercibleEnum):
+class GateUpLayout(CoercibleEnum):
     """Where the gate and up rows of a fused ``w [G, 2I, K]`` live."""
 
     CONCATENATED = "concatenated"  # gate rows [0, I), up rows [I, 2I)
     INTERLEAVED = "interleaved"  # gate = even rows, up = odd rows (gpt-oss)
 
 
-class ActivationQuant(_CoercibleEnum):
+class ActivationQuant(CoercibleEnum):
     """Quantization of the activations ``x`` before the dot."""
 
     NONE = "none"  # x stays bf16/f16/f32; quantized weights are dequantized in-kernel

@@ -9,15 +9,16 @@ string) with the same ``.value``, e.g. ``atlas_jax.KVDtype.BF16``.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
+
+from pallas_kernels._enums import CoercibleEnum
 
 NVFP4_GROUP = 16  # E2M1 values along D that share one E4M3 scale
 HEAD_DIMS = (64, 128, 256, 512)  # head dims the decode kernel tiles (D is held whole)
 MIN_DOT = 16  # smallest tl.dot extent along M, N and K
 
 
-class KVDtype(enum.Enum):
+class KVDtype(CoercibleEnum):
     """Storage dtype of the KV pages (values match ``atlas_jax.KVDtype``)."""
 
     FLOAT32 = "float32"  # pages [N, P, K, D] f32
@@ -27,16 +28,8 @@ class KVDtype(enum.Enum):
     #                  e4m3fn per 16 along D, global [N, P, K] f32 per token per head
 
     @classmethod
-    def coerce(cls, value) -> KVDtype:
-        """The member for ``value``: a member, a str, or any enum with the same value."""
-        if isinstance(value, cls):
-            return value
-        raw = value.value if isinstance(value, enum.Enum) else value
-        try:
-            return cls(raw)
-        except ValueError:
-            allowed = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"kv_dtype: expected one of {allowed}, got {value!r}") from None
+    def _arg(cls) -> str:
+        return "kv_dtype"
 
     @property
     def bytes_per_element(self) -> float:
