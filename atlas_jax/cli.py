@@ -15,6 +15,7 @@ BENCHMARKS = {
     "grouped-matmul": "grouped_matmul.py",
     "paged-attention": "paged_attention.py",
     "autotune-grouped-matmul": "autotune_grouped_matmul.py",
+    "grouped-matmul-mosaic": "grouped_matmul_mosaic.py",
     "moe-decode": "moe_decode.py",
     "moe-parallel": "moe_parallel.py",
 }
