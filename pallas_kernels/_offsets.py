@@ -32,6 +32,18 @@ def pair_view(a: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(u8.reshape(*a.shape[:-1], -1, 2), jnp.uint16)
 
 
+def pair_view_if_overflowing(name: str, a: jax.Array) -> tuple[jax.Array, bool]:
+    """``(pair_view(a), True)`` when ``a``'s int32 offsets would overflow, else ``(a, False)``;
+    NotImplementedError when it would need the view but its last dim is odd."""
+    if not int32_offsets_overflow(a.shape, a.dtype):
+        return a, False
+    if a.shape[-1] % 2:
+        raise NotImplementedError(
+            f"{name}: {tuple(a.shape)} {a.dtype} needs the uint16 view (int32 offsets would "
+            f"overflow), which needs an even last dim, got {a.shape[-1]}")
+    return pair_view(a), True
+
+
 def check_offsets(operands: dict) -> None:
     """NotImplementedError naming the first operand (name -> array or None) that overflows."""
     for name, a in operands.items():

@@ -43,7 +43,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._dequant import F16_FP4_FACTOR, e2m1_to_f32, e8m0_to_f32, fp4_to_f16_scaled
 from pallas_kernels._device import device_kind, device_sm_count
-from pallas_kernels._offsets import check_offsets, int32_offsets_overflow, pair_view
+from pallas_kernels._offsets import check_offsets, pair_view_if_overflowing
 from pallas_kernels.grouped_matmul.config import (
     FP8_ACT_GROUP,
     MXFP4_GROUP,
@@ -585,14 +585,7 @@ def grouped_matmul(
     w4 = split_rows(w)
     scale_k = scale if fmt is WeightFormat.FP8_BLOCK else split_rows(scale)
     bias3 = split_rows(bias)
-    w_pairs = int32_offsets_overflow(w4.shape, w4.dtype)
-    if w_pairs:
-        if k_w % 2:
-            raise NotImplementedError(
-                f"w: {w.shape} {w.dtype} needs the uint16 view (int32 offsets would overflow), "
-                f"which needs an even last dim, got {k_w}"
-            )
-        w4 = pair_view(w4)
+    w4, w_pairs = pair_view_if_overflowing("w", w4)
     check_offsets(dict(x=x, x_scale=x_scale, w=w4, scale=scale_k, global_scale=global_scale,
                         bias=bias3))
 

@@ -54,7 +54,7 @@ from pallas_kernels._dequant import e2m1_to_f32 as _e2m1_to_f32
 from pallas_kernels._dequant import e8m0_to_f32 as _e8m0_to_f32
 from pallas_kernels._dequant import fp4_to_f16_scaled as _fp4_to_f16_scaled
 from pallas_kernels._device import device_kind, device_sm_count
-from pallas_kernels._offsets import check_offsets, int32_offsets_overflow, pair_view
+from pallas_kernels._offsets import check_offsets, pair_view_if_overflowing
 from pallas_kernels.grouped_matmul.config import (
     MXFP4_GROUP,
     NVFP4_GROUP,
@@ -543,25 +543,20 @@ def _launch(a, plan, wts: _Weights, *, fmt, halves, layout, activation, prologue
     """One launch: ``[split_k, num_rows, planes, N]`` (planes 2: split gate_up partials)."""
     n = wts.w.shape[1] // halves
     k = a.shape[-1]
+    layout = layout if halves == 2 else GateUpLayout.CONCATENATED
+    w, w_pairs = pair_view_if_overflowing("w", _split_halves(wts.w, halves, layout))
+    scale = wts.scale if fmt is WeightFormat.FP8_BLOCK else _split_halves(wts.scale, halves,
+                                                                         layout)
+    bias = _split_halves(wts.bias, halves, layout)
     st = _Static(
-        fmt=fmt, halves=halves, layout=layout if halves == 2 else GateUpLayout.CONCATENATED,
+        fmt=fmt, halves=halves, layout=layout,
         activation=activation, limit=limit, alpha=float(alpha),
         gather_rows=name == "gate_up", split_k=tile.split_k, prologue=prologue,
         h_dtype=h_dtype, n=n, k=k, block_m=tile.block_m,
         block_n=tile.block_n, block_k=tile.block_k, swap_ab=tile.swap_ab,
         f16_dot=tile.f16_dot, fp8_block=tuple(block_size), global_rows=wts.global_rows,
         compute_dtype=h_dtype if prologue is not None else jnp.dtype(a.dtype),
-        inline_asm=not interpret, w_pairs=False)
-    scale = wts.scale if fmt is WeightFormat.FP8_BLOCK else _split_halves(wts.scale, halves,
-                                                                         st.layout)
-    w = _split_halves(wts.w, halves, st.layout)
-    if int32_offsets_overflow(w.shape, w.dtype):
-        if w.shape[-1] % 2:
-            raise NotImplementedError(
-                f"w: {wts.w.shape} {w.dtype} needs the uint16 view (int32 offsets would "
-                f"overflow), which needs an even last dim, got {w.shape[-1]}")
-        w, st = pair_view(w), dataclasses.replace(st, w_pairs=True)
-    bias = _split_halves(wts.bias, halves, st.layout)
+        inline_asm=not interpret, w_pairs=w_pairs)
     check_offsets(dict(a=a, w=w, scale=scale, global_scale=wts.global_scale, bias=bias))
     return _expert_matmul_pallas(
         plan.work, plan.token_of_row if st.gather_rows else None, a, w, scale,
