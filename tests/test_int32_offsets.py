@@ -161,3 +161,26 @@ def test_pair_view_lowers_for_h200(fmt, force_pair_view):
     with jax.sharding.use_abstract_mesh(mesh):
         lowered = jax.jit(f).trace(x, w, gs, arrays).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+def test_paged_attention_kernels_reject_overflowing_caches():
+    """Both paged-attention kernels refuse FP8 pages of 2^31..2^32 elements (abstract shapes:
+    nothing that size is allocated) and accept the same cache one size class up or down."""
+    from pallas_kernels.paged_attention import paged_decode, paged_prefill
+
+    def call(attend, pages):
+        shape = (pages, 16, 8, 128)
+        kv, sc = SD(shape, E4M3), SD(shape[:3], jnp.float32)
+        q = SD((1, 1, 32, 128), jnp.bfloat16)
+        pos = SD((1,), jnp.int32) if attend is paged_decode else SD((1, 1), jnp.int32)
+        return jax.eval_shape(
+            lambda q, k, v, ks, vs, p: attend(q, k, v, jnp.zeros((1, 4), jnp.int32), p,
+                                              kv_dtype="fp8", k_scale=ks, v_scale=vs,
+                                              scale=0.1, interpret=True),
+            q, kv, kv, sc, sc, pos)
+
+    for attend in (paged_decode, paged_prefill):
+        with pytest.raises(NotImplementedError, match=r"k_pages: shape .* int32 offsets"):
+            call(attend, 150_000)  # 2.46e9 one-byte elements
+        for pages in (120_000, 300_000):  # 1.97e9 elements; 4.9e9 bytes (int64 offsets)
+            call(attend, pages)

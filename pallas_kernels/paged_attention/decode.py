@@ -66,6 +66,7 @@ from pallas_kernels._dequant import (
     fp4_to_f16_scaled,
 )
 from pallas_kernels._device import device_sm_count
+from pallas_kernels._offsets import check_offsets
 from pallas_kernels.paged_attention.config import (
     HEAD_DIMS,
     MIN_DOT,
@@ -648,15 +649,10 @@ def _check_options(scale, sliding_window, logit_softcap) -> None:
         raise ValueError(f"logit_softcap: expected a positive float or None, got {c!r}")
 
 
-def _check_offsets(k_pages, v_pages) -> None:
-    for name, arr in (("k_pages", k_pages), ("v_pages", v_pages)):
-        # Pallas-Triton offsets are 32-bit below 4 GiB: a 1-byte array with >= 2^31 elements
-        # would wrap (the lowering switches to 64-bit only above 2^32 bytes).
-        if arr.dtype.itemsize == 1 and 2**31 <= arr.size <= 2**32:
-            raise NotImplementedError(
-                f"{name}: {arr.size} one-byte elements (2-4 GiB) overflow Pallas-Triton's 32-bit "
-                "offsets; use fewer or more pages"
-            )
+def _check_offsets(k_pages, v_pages, k_scale, v_scale) -> None:
+    """NotImplementedError for a cache array whose int32 offsets would overflow in Pallas'
+    Triton lowering (1-byte pages or NVFP4 block scales of 2^31..2^32 elements)."""
+    check_offsets(dict(k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale))
 
 
 @functools.partial(
@@ -752,7 +748,7 @@ def paged_decode(
         )
     if n * p * hk >= 2**31:
         raise NotImplementedError(f"k_pages: {n * p * hk} rows exceed the kernel's int32 row ids")
-    _check_offsets(k_pages, v_pages)
+    _check_offsets(k_pages, v_pages, k_scale, v_scale)
 
     if b == 0 or nq == 0 or block_tables.shape[1] == 0:  # nothing to read: every row is 0
         return jnp.zeros(q.shape, out_dtype)
