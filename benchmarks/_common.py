@@ -25,6 +25,21 @@ def time_jax(fn: Callable, *args, iters: int = 20, repeats: int = 5, warmup: int
     return statistics.median(samples)
 
 
+def time_scan(step: Callable, consts, xs, *, repeats: int = 5, loops: int = 8) -> float:
+    """Median device seconds per ``step(consts, x)`` over the inputs ``xs`` (a list, cycled
+    ``loops`` times), all steps inside one jitted ``lax.scan``: launch gaps between the kernels
+    count, the host's per-call dispatch (~30 us for a pytree of weights) does not. That is the
+    METHOD.md "time graph replays" advice for steps of many small launches, and how a decode
+    loop runs them (a model's layers in one scan, or CUDA graphs)."""
+    stacked = jnp.stack(list(xs) * loops)
+
+    @jax.jit
+    def loop(c, xx):
+        return jax.lax.scan(lambda carry, x: (carry, step(c, x)), 0, xx)[1]
+
+    return time_jax(loop, consts, stacked, iters=1, repeats=repeats, warmup=1) / len(stacked)
+
+
 def time_torch(fn: Callable) -> float:
     """Median seconds per call, timed with CUDA events (triton.testing.do_bench)."""
     import triton.testing

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from atlas_jax import ops
-from atlas_jax.config import GateUpLayout, KernelConfig, MoEConfig
+from atlas_jax.config import Backend, GateUpLayout, KernelConfig, MoEConfig
 from atlas_jax.moe.dispatch import combine, permute, unpermute
 from atlas_jax.moe.params import MoEParams
 from atlas_jax.moe.routing import Routing
@@ -54,9 +54,23 @@ def dense_mlp(x: jax.Array, gate_up: QTensor, down: QTensor, cfg: MoEConfig) -> 
                       preferred_element_type=jnp.float32)
 
 
-def shared_experts(params: MoEParams, x: jax.Array) -> jax.Array:
-    """Shared expert output, gated by sigmoid(x . w_gate) where the config has a gate."""
-    y = dense_mlp(x, params.shared_gate_up, params.shared_down, params.config)
+def shared_experts(params: MoEParams, x: jax.Array, kernels: KernelConfig | None = None, *,
+                   decode: bool = False) -> jax.Array:
+    """Shared expert output, gated by sigmoid(x . w_gate) where the config has a gate.
+
+    ``decode`` with the Pallas decode kernels chosen (``ops.moe_decode``'s backend for the
+    shared weights): the shared expert runs through those kernels as a one-expert stack that
+    every token selects, reading its quantized weights once; XLA's dense path would first write
+    a dequantized copy of a quantized shared expert. Otherwise XLA's dense path."""
+    cfg = params.config
+    gu, dn = params.shared_gate_up, params.shared_down
+    if decode and ops.moe_decode_backend(gu, dn, kernels) is Backend.PALLAS:
+        ids = jnp.zeros((x.shape[0], 1), jnp.int32)
+        y = ops.moe_decode(x, ids, gu.stacked(), dn.stacked(),
+                           epilogue=GateUp.of(cfg, GateUpLayout.CONCATENATED),
+                           kernels=kernels)[:, 0]
+    else:
+        y = dense_mlp(x, gu, dn, cfg)
     if params.shared_gate is not None:
         g = jnp.einsum("th,oh->to", x.astype(jnp.float32), params.shared_gate.astype(jnp.float32))
         y = y * jax.nn.sigmoid(g)

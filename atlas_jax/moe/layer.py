@@ -51,11 +51,11 @@ def moe_forward(
     if params.pre_expert_norm is not None:
         xe = (rms_normalize(x2, cfg.rms_norm_eps) * params.pre_expert_norm.astype(jnp.float32)
               ).astype(x.dtype)
-    match choose_path(x2.shape[0], kernels):
-        case MoEPath.DECODE:
-            y = routed_experts_decode(params, xe, r, kernels)
-        case MoEPath.PREFILL:
-            y = routed_experts_prefill(params, xe, r, kernels)
+    decode = choose_path(x2.shape[0], kernels) is MoEPath.DECODE
+    if decode:
+        y = routed_experts_decode(params, xe, r, kernels)
+    else:
+        y = routed_experts_prefill(params, xe, r, kernels)
     if params.shared_gate_up is not None:
-        y = y + shared_experts(params, xe)
+        y = y + shared_experts(params, xe, kernels, decode=decode)
     return y.astype(x.dtype).reshape(x.shape)

@@ -11,8 +11,9 @@ them, with no host sync:
 - "pallas" (``pallas_kernels.moe_decode``): expert-major kernels reading each selected expert's
   quantized weights once, dequantizing in registers, with the gate_up epilogue fused.
 
-The shared expert is not part of this op (``moe.experts.shared_experts`` runs it on the XLA
-path, in its own format).
+The shared expert is not part of this op's stack: ``moe.experts.shared_experts`` runs it, in
+its own format, through this op as a one-expert stack when the Pallas kernels are chosen
+(decode), else through XLA's dense path.
 """
 
 from __future__ import annotations
@@ -128,6 +129,12 @@ def _check(x, expert_ids, gate_up, down, gate_up_bias, down_bias) -> None:
         raise ValueError(f"moe_decode: down_bias must be [{e}, {h}], got {down_bias.shape}")
 
 
+def decode_backend(gate_up: QTensor, down: QTensor, kernels: KernelConfig | None) -> Backend:
+    """The implementation ``moe_decode`` runs for these weights under ``kernels``."""
+    backend = (kernels or KernelConfig()).grouped_matmul
+    return resolve_backend("moe_decode", backend, unsupported=unsupported_reason(gate_up, down))
+
+
 def moe_decode(
     x: jax.Array,  # [T, H]
     expert_ids: jax.Array,  # [T, k] int; >= E: zero expert
@@ -147,9 +154,7 @@ def moe_decode(
     """
     _check(x, expert_ids, gate_up, down, gate_up_bias, down_bias)
     args = (x, expert_ids, gate_up, down, gate_up_bias, down_bias, epilogue)
-    backend = (kernels or KernelConfig()).grouped_matmul
-    match resolve_backend("moe_decode", backend,
-                          unsupported=unsupported_reason(gate_up, down)):
+    match decode_backend(gate_up, down, kernels):
         case Backend.XLA:
             return moe_decode_reference(*args)
         case Backend.PALLAS:

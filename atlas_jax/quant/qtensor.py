@@ -91,6 +91,13 @@ class QTensor:
             shape=self.shape[:ax] + idx.shape + self.shape[ax + 1 :],
         )
 
+    def stacked(self) -> QTensor:
+        """This weight as a one-element stack ``[1, *shape]`` (e.g. a shared expert run through
+        an op that takes expert stacks)."""
+        add = lambda x: None if x is None else x[None]
+        return dataclasses.replace(self, data=add(self.data), scale=add(self.scale),
+                                   global_scale=add(self.global_scale), shape=(1, *self.shape))
+
     # ---- constructors from checkpoint tensors -------------------------------------------------
 
     @classmethod
