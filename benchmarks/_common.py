@@ -31,13 +31,14 @@ def time_scan(step: Callable, consts, xs, *, repeats: int = 5, loops: int = 8) -
     count, the host's per-call dispatch (~30 us for a pytree of weights) does not. That is the
     METHOD.md "time graph replays" advice for steps of many small launches, and how a decode
     loop runs them (a model's layers in one scan, or CUDA graphs)."""
-    stacked = jnp.stack(list(xs) * loops)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *(list(xs) * loops))  # xs may be pytrees
 
     @jax.jit
     def loop(c, xx):
         return jax.lax.scan(lambda carry, x: (carry, step(c, x)), 0, xx)[1]
 
-    return time_jax(loop, consts, stacked, iters=1, repeats=repeats, warmup=1) / len(stacked)
+    steps = len(xs) * loops
+    return time_jax(loop, consts, stacked, iters=1, repeats=repeats, warmup=1) / steps
 
 
 def time_torch(fn: Callable) -> float:

@@ -35,6 +35,7 @@ from benchmarks._common import (  # noqa: E402
 )
 from pallas_kernels.grouped_matmul import (  # noqa: E402
     grouped_matmul,
+    grouped_matmul_mosaic,
     grouped_matmul_reference,
     quantize_activations_fp8,
 )
@@ -44,7 +45,9 @@ SHAPES = {  # name: (H, I, E, k)
     "deepseek-v3": (7168, 2048, 256, 8),
     "gpt-oss-120b": (2880, 2880, 128, 4),
 }
-FORMATS = ["bf16", "fp8_block", "fp8_w8a8", "nvfp4", "mxfp4"]
+FORMATS = ["bf16", "bf16_mosaic", "fp8_block", "fp8_w8a8", "nvfp4", "mxfp4"]
+# bf16: the Triton-lowered kernel (every NVIDIA generation); bf16_mosaic: the Mosaic GPU kernel
+# (TMA + wgmma, Hopper), which KernelConfig(gmm_kernel="auto") picks on sm_90
 
 
 def routing_group_sizes(key, tokens: int, experts: int, k: int) -> jax.Array:
@@ -64,8 +67,8 @@ def kernel_args(q: QTensor, fmt: str) -> dict:
     return kw
 
 
-WEIGHT_FORMAT = {"bf16": Format.BF16, "fp8_block": Format.FP8_BLOCK, "fp8_w8a8": Format.FP8_BLOCK,
-                 "nvfp4": Format.NVFP4, "mxfp4": Format.MXFP4}
+WEIGHT_FORMAT = {"bf16": Format.BF16, "bf16_mosaic": Format.BF16, "fp8_block": Format.FP8_BLOCK,
+                 "fp8_w8a8": Format.FP8_BLOCK, "nvfp4": Format.NVFP4, "mxfp4": Format.MXFP4}
 
 
 def make_weight(key, g: int, n: int, k: int, fmt: str, chunk: int = 16) -> QTensor:
@@ -90,6 +93,13 @@ def rel_err(a, b) -> float:
 # ---------------------------------------------------------------------------------------------
 # step 1: correctness on the GPU
 # ---------------------------------------------------------------------------------------------
+
+
+def kernel_fn(q: QTensor, fmt: str):
+    """The jitted kernel entry for ``fmt``: ``fn(x, w_data, group_sizes, **extra)``."""
+    if fmt == "bf16_mosaic":
+        return jax.jit(grouped_matmul_mosaic)
+    return jax.jit(functools.partial(grouped_matmul, **kernel_args(q, fmt)))
 
 
 def check_correctness() -> list[dict]:
@@ -119,13 +129,48 @@ def check_correctness() -> list[dict]:
                     kwargs.update(activation=activation,
                                   gate_up_layout="interleaved" if activation == "gpt_oss"
                                   else "concatenated")
-                out = grouped_matmul(xin, q.data, gs, out_dtype=jnp.float32, **kwargs)
                 ref = grouped_matmul_reference(xin, q.data, gs, out_dtype=jnp.float32, **kwargs)
+                if fmt == "bf16_mosaic":
+                    kwargs = {k: v for k, v in kwargs.items()
+                              if k in ("activation", "gate_up_layout")}
+                    if kwargs.get("gate_up_layout") == "interleaved":
+                        continue  # the Mosaic kernel takes concatenated gate|up only
+                    out = grouped_matmul_mosaic(xin, q.data, gs, out_dtype=jnp.float32, **kwargs)
+                else:
+                    out = grouped_matmul(xin, q.data, gs, out_dtype=jnp.float32, **kwargs)
                 err = rel_err(out, ref)
                 ok = bool(np.isfinite(np.asarray(out)).all()) and err < 2e-2
                 rows.append(dict(M=m, N=n, K=k, G=g, groups=pattern, format=fmt,
                                  activation=activation or "-", rel_err=err,
                                  ok="yes" if ok else "NO"))
+    return rows
+
+
+def check_moe_forward() -> list[dict]:
+    """The library path: moe_forward's prefill through ops.grouped_matmul ("pallas"; gmm_kernel
+    "auto" takes the Mosaic kernel for BF16 on sm_90, "mosaic" forces it) vs the XLA path."""
+    import atlas_jax as aj
+    from atlas_jax.config import MoEConfig
+
+    rows = []
+    h, inter, e, k, t = 1024, 512, 16, 4, 300
+    x = jax.random.normal(jax.random.key(5), (t, h), jnp.bfloat16)
+    step = jax.jit(aj.moe_forward, static_argnames="kernels")
+    for fmt, gmm in ((Format.BF16, "auto"), (Format.BF16, "mosaic"), (Format.BF16, "triton"),
+                     (Format.NVFP4, "auto")):
+        cfg = MoEConfig(hidden_size=h, intermediate_size=inter, num_experts=e, top_k=k,
+                        expert_format=fmt)
+        p = aj.moe.init_params(jax.random.key(6), cfg, dtype=jnp.bfloat16)
+        ours = aj.KernelConfig(grouped_matmul="pallas", moe_path="prefill", gmm_kernel=gmm)
+        ref = aj.KernelConfig(grouped_matmul="xla", moe_path="prefill")
+        try:
+            err = rel_err(step(p, x, kernels=ours), step(p, x, kernels=ref))
+            ok = "yes" if err < 2e-2 else "NO"
+        except Exception as exc:  # report, do not hide
+            err, ok = f"{type(exc).__name__}: {str(exc)[:80]}", "NO"
+        rows.append(dict(M=t * k, N=2 * inter, K=h, G=e, groups="routed",
+                         format=f"moe_forward {fmt.value}", activation=f"silu, gmm_kernel={gmm}",
+                         rel_err=err, ok=ok))
     return rows
 
 
@@ -180,7 +225,8 @@ def bench(token_counts: list[int], shapes: list[str], all_formats: bool = False
         h, inter, e, k = SHAPES[shape]
         for op, (n, kdim) in (("gate_up", (2 * inter, h)), ("down", (h, inter))):
             for tokens in token_counts:
-                formats = FORMATS if tokens == 4096 or all_formats else ["bf16", "nvfp4"]
+                formats = (FORMATS if tokens == 4096 or all_formats
+                           else ["bf16", "bf16_mosaic", "nvfp4"])
                 m = tokens * k
                 gs = routing_group_sizes(jax.random.fold_in(key, tokens), tokens, e, k)
                 x = jax.random.normal(jax.random.fold_in(key, 7), (m, kdim), jnp.bfloat16)
@@ -208,8 +254,13 @@ def bench(token_counts: list[int], shapes: list[str], all_formats: bool = False
                 _free_torch_cache()
                 for fmt in formats:
                     q = make_weight(key, e, n, kdim, fmt)
-                    fn = jax.jit(functools.partial(grouped_matmul, **kernel_args(q, fmt)))
-                    t = time_jax(fn, x, q.data, gs)
+                    try:
+                        t = time_jax(kernel_fn(q, fmt), x, q.data, gs)
+                    except Exception as err:  # report, do not hide: the table says why
+                        rows.append(dict(base, format=fmt,
+                                         us=f"{type(err).__name__}: {str(err)[:80]}"))
+                        print(table([rows[-1]], list(rows[-1])), flush=True)
+                        continue
                     row = dict(base, format=fmt, us=t * 1e6, tflops=flops / t / 1e12,
                                frac_dense=flops / t / ceilings["mm"])
                     if "torch" in peers:
@@ -225,7 +276,7 @@ def bench(token_counts: list[int], shapes: list[str], all_formats: bool = False
                     else:
                         row["ragged_dot_tflops"] = peers.get("ragged_dot_error", "")
                     rows.append(row)
-                    del q, fn
+                    del q
                     print(table([row], list(row)), flush=True)
                 print(f"# {shape} {op} {tokens}: {time.perf_counter() - t0:.1f}s", flush=True)
     return rows, ceilings
@@ -248,8 +299,8 @@ def main() -> None:
     lines = [f"## grouped_matmul ({datetime.date.today()}, {device.device_kind}, jax "
              f"{jax.__version__})", ""]
     if not args.skip_check:
-        check = check_correctness()
-        lines += ["### Correctness on the GPU (kernel vs reference)", "",
+        check = check_correctness() + check_moe_forward()
+        lines += ["### Correctness on the GPU (kernel vs reference; moe_forward pallas vs XLA)", "",
                   table(check, list(check[0])), ""]
         print("\n".join(lines), flush=True)
         bad = [r for r in check if r["ok"] != "yes"]

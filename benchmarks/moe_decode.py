@@ -5,15 +5,19 @@ combine) with the Pallas expert-major decode kernels against the ``jax.lax.ragge
 run.
 
     python benchmarks/moe_decode.py [--quick] [--shapes ...] [--formats ...] [--tokens ...]
-                                    [--sweep] [--out results.md]
+                                    [--peer-formats ...] [--sweep] [--out results.md]
     python benchmarks/moe_decode.py --tiny      # CPU smoke test: tiny shapes, interpret mode
 
 Columns: ``experts`` distinct selected experts (from the routing of the timed inputs), ``MB``
 their weight bytes (data, scales, biases: the minimum a step must read), ``us`` per step,
 ``GB/s`` = MB / us, ``frac_hbm`` = GB/s over the measured copy bandwidth, ``vs_ragged_dot`` and
-``vs_xla_decode`` the speed-ups over the two XLA paths. Each step routes a different set of
-tokens (``ROTATE`` input sets in turn), so consecutive steps select different experts and the
-selected weights do not stay in L2 between steps.
+``vs_xla_decode`` the speed-ups over the two XLA paths. ``us`` is device time per step: the steps
+run inside one jitted ``lax.scan`` (``_common.time_scan``), as a decode loop runs them (CUDA
+graphs or a scan over layers); ``host_us`` is one jitted call per step from Python, which adds
+the host's dispatch of the weight pytree (~30 us) where the step is shorter than that. Each
+step routes a different set of tokens (``ROTATE`` input sets in turn), so consecutive steps
+select different experts and the selected weights do not stay in L2 between steps. A shared
+expert (DeepSeek-V3) is in every step; ``--no-shared`` skips its own section.
 
 Step 1 checks the kernels on the GPU (kernel vs plain-jnp reference, bf16 and f16 dots, every
 format; moe_forward pallas vs XLA decode); step 2 times; ``--sweep`` also times a few tile
@@ -40,7 +44,7 @@ import atlas_jax as aj  # noqa: E402
 from atlas_jax.config import Format, MoEConfig  # noqa: E402
 from atlas_jax.moe.params import MoEParams  # noqa: E402
 from atlas_jax.quant import QTensor, quantize  # noqa: E402
-from benchmarks._common import hbm_copy_bandwidth, table, time_jax  # noqa: E402
+from benchmarks._common import hbm_copy_bandwidth, table, time_jax, time_scan  # noqa: E402
 from pallas_kernels._device import device_kind, device_sm_count  # noqa: E402
 from pallas_kernels.moe_decode import (  # noqa: E402
     MoEDecodeConfig,
@@ -53,12 +57,12 @@ SHAPES = {  # name: (H, I, E, k, router / activation of the model)
     "qwen3-30b-a3b": (2048, 768, 128, 8, dict()),
     "deepseek-v3": (7168, 2048, 256, 8, dict(
         scoring="sigmoid", selection_bias=True, n_group=8, topk_group=4,
-        routed_scaling_factor=2.5, norm_eps=1e-20)),
+        routed_scaling_factor=2.5, norm_eps=1e-20, shared_intermediate_size=2048)),
     "gpt-oss-120b": (2880, 2880, 128, 4, dict(
         scoring="topk_softmax", router_bias=True, activation="gpt_oss", swiglu_limit=7.0,
         gate_up_layout="interleaved", expert_bias=True)),
 }
-TINY = {"tiny": (64, 64, 8, 2, dict()),
+TINY = {"tiny": (64, 64, 8, 2, dict(shared_intermediate_size=64)),
         "tiny-gpt-oss": (64, 32, 8, 2, SHAPES["gpt-oss-120b"][4])}
 FORMATS = {"bf16": Format.BF16, "fp8": Format.FP8_BLOCK, "nvfp4": Format.NVFP4,
            "mxfp4": Format.MXFP4}
@@ -98,7 +102,11 @@ def make_layer(shape: str, fmt: Format, seed: int = 0) -> MoEParams:
     def small(key, shape_, scale, dtype=jnp.bfloat16):
         return (jax.random.normal(key, shape_, jnp.float32) * scale).astype(dtype)
 
+    s = cfg.shared_intermediate_size
     return MoEParams(
+        shared_gate_up=make_weight(keys[7], 1, 2 * s, h, fmt).take(0) if s else None,
+        shared_down=make_weight(jax.random.fold_in(keys[7], 1), 1, h, s, fmt).take(0)
+        if s else None,
         router=small(keys[0], (e, h), h**-0.5),
         gate_up=make_weight(keys[1], e, 2 * i, h, fmt),
         down=make_weight(keys[2], e, h, i, fmt),
@@ -117,6 +125,13 @@ def expert_bytes(params: MoEParams) -> float:
         if b is not None:
             total += b.size * b.dtype.itemsize
     return total / params.config.num_experts
+
+
+def shared_bytes(params: MoEParams) -> float:
+    """Bytes of the shared expert (0 without one): every step reads it."""
+    if params.shared_gate_up is None:
+        return 0.0
+    return params.shared_gate_up.nbytes + params.shared_down.nbytes
 
 
 def token_sets(tokens: int, hidden: int, n: int = ROTATE) -> list[jax.Array]:
@@ -212,37 +227,48 @@ def _check_moe_forward(tiny: bool) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _time(fn, params, xs, iters):
+def _time(kernels, params, xs, loops, host: bool = False):
+    """Device seconds per full decode step (``time_scan``), or with ``host`` seconds per call
+    dispatched from Python one step at a time (what an un-captured loop pays); errors (e.g. out
+    of memory) come back as text for the table."""
     try:
-        return time_jax(rotating(fn, params, xs), iters=iters, repeats=5, warmup=2), None
-    except Exception as err:  # e.g. out of memory: report in the table, do not hide
+        if host:
+            step = jax.jit(functools.partial(aj.moe_forward, kernels=kernels))
+            return time_jax(rotating(step, params, xs), iters=20, repeats=5, warmup=2), None
+        step = functools.partial(aj.moe_forward, kernels=kernels)
+        return time_scan(step, params, xs, loops=loops), None
+    except Exception as err:  # report in the table, do not hide
         return None, f"{type(err).__name__}: {str(err)[:60]}"
 
 
-def bench(shapes, formats, token_counts, *, hbm: float, iters: int, peers: bool) -> list[dict]:
+def bench(shapes, formats, token_counts, *, hbm: float, loops: int,
+          peer_formats: list[str]) -> list[dict]:
     rows = []
-    step = jax.jit(aj.moe_forward, static_argnames="kernels")
     for shape in shapes:
         for name in formats:
             p = make_layer(shape, FORMATS[name])
-            per_expert = expert_bytes(p)
+            per_expert, shared = expert_bytes(p), shared_bytes(p)
             for tokens in token_counts:
                 xs = token_sets(tokens, p.config.hidden_size)
                 route = jax.jit(aj.moe.route)
                 distinct = np.mean([len(np.unique(np.asarray(route(p, x).expert_ids)))
                                     for x in xs])
-                nbytes = distinct * per_expert
+                nbytes = distinct * per_expert + shared
                 row = dict(shape=shape, format=name, tokens=tokens, experts=distinct,
                            MB=nbytes / 1e6)
-                t, err = _time(functools.partial(step, kernels=PALLAS), p, xs, iters)
+                t, err = _time(PALLAS, p, xs, loops)
                 if t is None:
                     row["us"] = err
                     rows.append(row)
                     continue
-                row.update(us=t * 1e6, GBps=nbytes / t / 1e9, frac_hbm=nbytes / t / hbm)
-                if peers:
+                row.update(us=t * 1e6, GBps=nbytes / t / 1e9, frac_hbm=nbytes / t / hbm,
+                           bound_us=(nbytes / hbm + 10e-6) * 1e6)
+                th, err = _time(PALLAS, p, xs, loops, host=True)
+                row["host_us"] = th * 1e6 if th else err
+                if name in peer_formats:
                     for label, kc in (("ragged_dot", RAGGED_DOT), ("xla_decode", XLA_DECODE)):
-                        tp, err = _time(functools.partial(step, kernels=kc), p, xs, iters)
+                        # the XLA paths take 0.1-30 ms a step: fewer loops
+                        tp, err = _time(kc, p, xs, 1)
                         row[f"{label}_us"] = tp * 1e6 if tp else err
                         if tp:
                             row[f"vs_{label}"] = tp / t
@@ -253,7 +279,48 @@ def bench(shapes, formats, token_counts, *, hbm: float, iters: int, peers: bool)
     return rows
 
 
-def sweep(shapes, formats, token_counts, *, hbm: float, iters: int) -> list[dict]:
+def bench_shared(shapes, formats, token_counts, *, hbm: float, loops: int) -> list[dict]:
+    """Where folding the shared expert pays: the step with it and without it, and the shared
+    expert alone through the decode kernels (one-expert stack; what moe_forward runs) and
+    through XLA's dense path."""
+    from atlas_jax.moe.experts import shared_experts
+
+    rows = []
+    for shape in shapes:
+        if not (SHAPES | TINY)[shape][4].get("shared_intermediate_size"):
+            continue
+        for name in formats:
+            p = make_layer(shape, FORMATS[name])
+            bare = dataclasses.replace(
+                p, shared_gate_up=None, shared_down=None,
+                config=dataclasses.replace(p.config, shared_intermediate_size=0))
+            sb = shared_bytes(p)
+            for tokens in token_counts:
+                xs = token_sets(tokens, p.config.hidden_size)
+                row = dict(shape=shape, format=name, tokens=tokens, shared_MB=sb / 1e6,
+                           shared_bound_us=sb / hbm * 1e6)
+                for label, fn, params in (
+                        ("step_us", functools.partial(aj.moe_forward, kernels=PALLAS), p),
+                        ("step_no_shared_us", functools.partial(aj.moe_forward, kernels=PALLAS),
+                         bare),
+                        ("kernels_us", functools.partial(shared_experts, kernels=PALLAS,
+                                                         decode=True), p),
+                        ("xla_dense_us", functools.partial(shared_experts, kernels=PALLAS,
+                                                           decode=False), p)):
+                    try:
+                        row[label] = time_scan(fn, params, xs, loops=loops) * 1e6
+                    except Exception as err:  # report in the table, do not hide
+                        row[label] = f"{type(err).__name__}: {str(err)[:60]}"
+                if all(isinstance(row[c], float) for c in ("step_us", "step_no_shared_us")):
+                    row["shared_in_step_us"] = row["step_us"] - row["step_no_shared_us"]
+                rows.append(row)
+                print(table([row], list(row)), flush=True)
+            del p, bare
+            gc.collect()
+    return rows
+
+
+def sweep(shapes, formats, token_counts, *, hbm: float, loops: int) -> list[dict]:
     """The kernels alone (routing precomputed) with tile variants around the heuristic's."""
     rows = []
     for shape in shapes:
@@ -278,11 +345,15 @@ def sweep(shapes, formats, token_counts, *, hbm: float, iters: int) -> list[dict
                     tokens, cfg.top_k, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size,
                     gu.format.value, fp8_block=gu.block, sm_count=device_sm_count(),
                     device_kind=device_kind())
+                inputs = [(x, r.expert_ids, r.weights) for x, r in zip(xs, routes, strict=True)]
                 for label, config in _variants(base).items():
-                    fn = functools.partial(moe_decode, config=config, **static)  # jitted
-                    run = _kernel_step(fn, xs, routes, gu.data, dn.data, arrays)
+                    fn = functools.partial(moe_decode, config=config, **static)
+
+                    def run(consts, inp, fn=fn):
+                        return fn(*inp, consts[0], consts[1], **consts[2])
+
                     try:
-                        t = time_jax(run, iters=iters, repeats=3, warmup=2)
+                        t = time_scan(run, (gu.data, dn.data, arrays), inputs, loops=loops)
                     except Exception as err:  # report, do not hide: the table says why
                         rows.append(dict(shape=shape, format=name, tokens=tokens, variant=label,
                                          us=f"{type(err).__name__}: {str(err)[:80]}"))
@@ -293,19 +364,6 @@ def sweep(shapes, formats, token_counts, *, hbm: float, iters: int) -> list[dict
             del p
             gc.collect()
     return rows
-
-
-def _kernel_step(fn, xs, routes, w_gate_up, w_down, arrays):
-    """A zero-argument step running the kernels on the next (tokens, routing) set each call
-    (the weight arrays are arguments of the jitted kernel entry, not constants)."""
-    state = {"i": 0}
-
-    def step():
-        state["i"] += 1
-        i = state["i"] % len(xs)
-        return fn(xs[i], routes[i].expert_ids, routes[i].weights, w_gate_up, w_down, **arrays)
-
-    return step
 
 
 def _variants(base: MoEDecodeConfig) -> dict[str, MoEDecodeConfig]:
@@ -351,6 +409,10 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", choices=list(FORMATS))
     parser.add_argument("--tokens", nargs="+", type=int)
     parser.add_argument("--no-peers", action="store_true", help="time the Pallas path only")
+    parser.add_argument("--peer-formats", nargs="+", choices=list(FORMATS),
+                        help="formats timed with the XLA peers too (default: all timed)")
+    parser.add_argument("--no-shared", action="store_true",
+                        help="skip the shared-expert section (DeepSeek-V3 shape)")
     parser.add_argument("--sweep", action="store_true", help="also time tile variants")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--out", type=Path, help="write the markdown tables here")
@@ -363,7 +425,7 @@ def main() -> None:
                                ["bf16", "nvfp4", "mxfp4", "fp8"])
     token_counts = args.tokens or ((1, 2, 3) if args.tiny else
                                    (1, 8, 64) if args.quick else TOKENS)
-    iters = 2 if args.tiny else 20
+    loops = 1 if args.tiny else 8
     device = jax.devices()[0]
     lines = [f"## moe_decode ({datetime.date.today()}, {device.device_kind}, jax "
              f"{jax.__version__}{', interpret mode' if not on_gpu else ''})", ""]
@@ -376,14 +438,22 @@ def main() -> None:
         if bad:
             print(f"{len(bad)} correctness failures", flush=True)
     hbm = hbm_copy_bandwidth(0.0625 if args.tiny else 4.0)
-    rows = bench(shapes, formats, token_counts, hbm=hbm, iters=iters, peers=not args.no_peers)
-    cols = ["shape", "format", "tokens", "experts", "MB", "us", "GBps", "frac_hbm",
-            "ragged_dot_us", "vs_ragged_dot", "xla_decode_us", "vs_xla_decode"]
-    lines += [f"HBM copy {hbm / 1e12:.2f} TB/s (measured in this run). Full jitted moe_forward "
-              "decode steps; MB = weight bytes of the distinct selected experts.", "",
+    peer_formats = [] if args.no_peers else (args.peer_formats or formats)
+    rows = bench(shapes, formats, token_counts, hbm=hbm, loops=loops, peer_formats=peer_formats)
+    cols = ["shape", "format", "tokens", "experts", "MB", "us", "bound_us", "host_us", "GBps",
+            "frac_hbm", "ragged_dot_us", "vs_ragged_dot", "xla_decode_us", "vs_xla_decode"]
+    lines += [f"HBM copy {hbm / 1e12:.2f} TB/s (measured in this run). Full moe_forward decode "
+              "steps, device time per step inside one jitted scan (`us`; `host_us`: one jitted "
+              "call per step from Python, dispatch included); MB = weight bytes of the distinct "
+              "selected experts plus the shared expert; bound = MB / HBM + 10 us.", "",
               table(rows, cols), ""]
+    if not args.no_shared:
+        shrows = bench_shared(shapes, formats, token_counts, hbm=hbm, loops=loops)
+        if shrows:
+            lines += ["### Shared expert (decode kernels as a one-expert stack vs XLA dense)", "",
+                      table(shrows, list(shrows[0])), ""]
     if args.sweep:
-        srows = sweep(shapes, formats, token_counts, hbm=hbm, iters=iters)
+        srows = sweep(shapes, formats, token_counts, hbm=hbm, loops=loops)
         lines += ["### Tile sweep (kernels alone, routing precomputed)", "",
                   table(srows, ["shape", "format", "tokens", "variant", "us", "frac_hbm"]), ""]
     text = "\n".join(lines)
