@@ -62,6 +62,9 @@ SHAPES = {  # name: (H, I, E, k, router / activation of the model)
         scoring="topk_softmax", router_bias=True, activation="gpt_oss", swiglu_limit=7.0,
         gate_up_layout="interleaved", expert_bias=True)),
 }
+# A one-expert layer every token selects: DeepSeek-V3's shared expert as the decode kernels run
+# it (moe.experts.shared_experts), for --sweep
+SWEEP_ONLY = {"deepseek-v3-shared": (7168, 2048, 1, 1, dict())}
 TINY = {"tiny": (64, 64, 8, 2, dict(shared_intermediate_size=64)),
         "tiny-gpt-oss": (64, 32, 8, 2, SHAPES["gpt-oss-120b"][4])}
 FORMATS = {"bf16": Format.BF16, "fp8": Format.FP8_BLOCK, "nvfp4": Format.NVFP4,
@@ -94,7 +97,7 @@ def make_weight(key, g: int, n: int, k: int, fmt: Format, chunk: int = 16) -> QT
 
 
 def make_layer(shape: str, fmt: Format, seed: int = 0) -> MoEParams:
-    h, i, e, k, extra = (SHAPES | TINY)[shape]
+    h, i, e, k, extra = (SHAPES | SWEEP_ONLY | TINY)[shape]
     cfg = MoEConfig(hidden_size=h, intermediate_size=i, num_experts=e, top_k=k,
                     expert_format=fmt, **extra)
     keys = jax.random.split(jax.random.key(seed), 8)
@@ -287,7 +290,7 @@ def bench_shared(shapes, formats, token_counts, *, hbm: float, loops: int) -> li
 
     rows = []
     for shape in shapes:
-        if not (SHAPES | TINY)[shape][4].get("shared_intermediate_size"):
+        if not (SHAPES | SWEEP_ONLY | TINY)[shape][4].get("shared_intermediate_size"):
             continue
         for name in formats:
             p = make_layer(shape, FORMATS[name])
@@ -390,9 +393,15 @@ def _variants(base: MoEDecodeConfig) -> dict[str, MoEDecodeConfig]:
     if base.gate_up.block_k == 128:
         out["block_k=64"] = both(block_k=64)
     out["split_k=1"] = both(split_k=1)
-    out["split_k x2"] = MoEDecodeConfig(
-        dataclasses.replace(base.gate_up, split_k=2 * base.gate_up.split_k),
-        dataclasses.replace(base.down, split_k=2 * base.down.split_k))
+    for f in (2, 4):
+        out[f"split_k x{f}"] = MoEDecodeConfig(
+            dataclasses.replace(base.gate_up, split_k=f * base.gate_up.split_k),
+            dataclasses.replace(base.down, split_k=f * base.down.split_k))
+    out["block_n/2, split_k x2"] = MoEDecodeConfig(
+        dataclasses.replace(base.gate_up, block_n=max(16, base.gate_up.block_n // 2),
+                            split_k=2 * base.gate_up.split_k),
+        dataclasses.replace(base.down, block_n=max(16, base.down.block_n // 2),
+                            split_k=2 * base.down.split_k))
     out["down split only"] = MoEDecodeConfig(dataclasses.replace(base.gate_up, split_k=1),
                                              base.down)
     out["block_n=32, split_k=1"] = both(block_n=32, split_k=1)
@@ -405,7 +414,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true",
                         help="tiny shapes, interpret mode off GPU (a smoke test of the script)")
     parser.add_argument("--quick", action="store_true", help="1, 8, 64 tokens; bf16, nvfp4")
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES) + list(TINY))
+    parser.add_argument("--shapes", nargs="+",
+                        choices=list(SHAPES) + list(SWEEP_ONLY) + list(TINY))
     parser.add_argument("--formats", nargs="+", choices=list(FORMATS))
     parser.add_argument("--tokens", nargs="+", type=int)
     parser.add_argument("--no-peers", action="store_true", help="time the Pallas path only")

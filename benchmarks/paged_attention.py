@@ -2,7 +2,17 @@
 measured in the same run.
 
 * decode: against JAX's `pallas.ops.gpu.paged_attention` (BF16) and the XLA gather reference,
-  and the HBM copy bandwidth (decode reads every KV byte once);
+  and the HBM copy bandwidth (decode reads every KV byte once). Every implementation is timed
+  the same way, in device time: ``_common.time_scan`` (steps over a few different query sets
+  inside one jitted ``lax.scan``, cache / block tables / lengths as its constants), so the
+  ~30 us of host dispatch per call does not floor the short cases; ``host_us`` is our kernel
+  timed the old way (``time_jax``: one host dispatch per call) for comparison;
+* ``--grid``: the full decode grid (B 1/8/32/128 x context 1k/4k/16k/32k x heads 32/4, 64/8 at
+  D 128; D 256 / 512 on a subset; page 16) for BF16, FP8 (plus the FP8 kernel with V converted
+  by inline PTX, ``DecodeConfig.v_convert="asm"``) and NVFP4 KV; JAX's kernel on the D 128 BF16
+  cases. Compiles run ahead in threads (``--jobs``) while earlier cases are timed;
+* ``--sweep``: DecodeConfig variants (pages per step, splits, stages, FP8 V/K conversion) against
+  the heuristic for the cases the issue's targets name (B=1 at 32k, FP8 at 16k);
 * prefill (``--prefill`` runs it alone): first a correctness check of the kernel against the
   reference on this GPU (ragged batch, chunk after a cached prefix, padding, window, softcap,
   sinks; every KV dtype), then prompts of 4k / 16k tokens and a 2k chunk after a 14k prefix
@@ -10,16 +20,22 @@ measured in the same run.
   on contiguous K/V (``jax.nn.dot_product_attention``, fresh BF16 prompts), and the roofline of
   the causal FLOPs at the dense bf16 matmul rate; plus the XLA KV write of the chunk
   (``PagedKVCache.write``: quantize + slot-mapping scatter, donated cache) timed on its own, and
-  its share of write + attention.
+  its share of write + attention. Prefill is timed with ``time_jax`` (long steps).
 
-    python benchmarks/paged_attention.py [--quick] [--prefill] [--out results.md]
+``--smoke`` runs the decode paths (default cases, grid, sweep) on tiny shapes in interpret mode
+on the CPU: a check of this script, not a measurement.
+
+    python benchmarks/paged_attention.py [--quick] [--prefill] [--grid] [--sweep] [--out f.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import dataclasses
 import datetime
 import functools
+import math
 import statistics
 import sys
 import time
@@ -27,7 +43,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -37,9 +52,12 @@ from benchmarks._common import (  # noqa: E402
     hbm_copy_bandwidth,
     table,
     time_jax,
+    time_scan,
 )
 from pallas_kernels.paged_attention import (  # noqa: E402
     DecodeConfig,
+    choose_decode_config,
+    device_sm_count,
     kv_bytes_per_token,
     paged_decode,
     paged_decode_reference,
@@ -48,6 +66,8 @@ from pallas_kernels.paged_attention import (  # noqa: E402
 )
 
 PAGE = 16
+NUM_Q = 4  # different query sets a timed scan cycles through
+SMOKE = False  # --smoke: tiny shapes, interpret mode (CPU)
 CASES = [  # (batch, context, q heads, kv heads, head_dim, kv dtype)
     (32, 4096, 32, 4, 128, "bf16"),
     (32, 4096, 32, 4, 128, "fp8"),
@@ -60,118 +80,407 @@ CASES = [  # (batch, context, q heads, kv heads, head_dim, kv dtype)
     (8, 8192, 32, 4, 256, "bf16"),
 ]
 QUICK = CASES[:6]
+SMOKE_CASES = [(2, 100, 8, 2, 64, "bf16"), (2, 100, 8, 2, 64, "fp8"), (1, 70, 8, 2, 64, "nvfp4")]
+SCALE_NAMES = ("k_scale", "v_scale", "k_global_scale", "v_global_scale")
 
 
-def make_cache(key, b: int, ctx: int, hk: int, d: int, dtype: str) -> dict:
-    """Random pages (never zeros), scattered block tables and every sequence at ``ctx``."""
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def _make_cache(key, b: int, ctx: int, hk: int, d: int, dtype: str) -> dict:
     pages_per_seq = -(-ctx // PAGE)
     n = b * pages_per_seq + 7
-    rng = np.random.default_rng(0)
-    kk, kv = jax.random.split(key)
+    kk, kv, kp = jax.random.split(key, 3)
     shape = (n, PAGE, hk, d)
     args = {}
     for name, k in (("k", kk), ("v", kv)):
+        k1, k2 = jax.random.split(k)
         match dtype:
             case "bf16":
-                args[f"{name}_pages"] = jax.random.normal(k, shape, jnp.bfloat16)
+                args[f"{name}_pages"] = jax.random.normal(k1, shape, jnp.bfloat16)
             case "fp8":
-                args[f"{name}_pages"] = jax.random.normal(k, shape).astype(jnp.float8_e4m3fn)
-                args[f"{name}_scale"] = jax.random.uniform(k, shape[:3], minval=0.5, maxval=1.5)
+                args[f"{name}_pages"] = jax.random.normal(k1, shape).astype(jnp.float8_e4m3fn)
+                args[f"{name}_scale"] = jax.random.uniform(k2, shape[:3], minval=0.5, maxval=1.5)
             case "nvfp4":
-                args[f"{name}_pages"] = jax.random.randint(
-                    k, (*shape[:3], d // 2), 0, 256).astype(jnp.uint8)
-                args[f"{name}_scale"] = jnp.asarray(
-                    rng.uniform(0.5, 2.0, (*shape[:3], d // 16)).astype(ml_dtypes.float8_e4m3fn))
+                args[f"{name}_pages"] = jax.random.bits(k1, (*shape[:3], d // 2), jnp.uint8)
+                args[f"{name}_scale"] = jax.random.uniform(
+                    k2, (*shape[:3], d // 16), minval=0.5, maxval=2.0).astype(jnp.float8_e4m3fn)
                 args[f"{name}_global_scale"] = jnp.full(shape[:3], 0.1, jnp.float32)
-    perm = rng.permutation(n)[: b * pages_per_seq].reshape(b, pages_per_seq)
-    return dict(args, block_tables=jnp.asarray(perm, jnp.int32),
+    perm = jax.random.permutation(kp, n)[: b * pages_per_seq].reshape(b, pages_per_seq)
+    return dict(args, block_tables=perm.astype(jnp.int32),
                 seq_lens=jnp.full((b,), ctx, jnp.int32))
+
+
+def make_cache(key, b: int, ctx: int, hk: int, d: int, dtype: str) -> dict:
+    """Random pages (never zeros), scattered block tables and every sequence at ``ctx``:
+    ``k_pages``, ``v_pages``, the dtype's scale arrays, ``block_tables``, ``seq_lens``."""
+    return _make_cache(key, b, ctx, hk, d, dtype)
+
+
+def cache_spec(b: int, ctx: int, hk: int, d: int, dtype: str) -> dict:
+    """``make_cache``'s shapes and dtypes (no device memory): what the compiles need."""
+    return jax.eval_shape(lambda k: _make_cache(k, b, ctx, hk, d, dtype), jax.random.key(0))
+
+
+def cache_bytes(b: int, ctx: int, hk: int, d: int, dtype: str) -> int:
+    return sum(math.prod(a.shape) * a.dtype.itemsize
+               for a in jax.tree.leaves(cache_spec(b, ctx, hk, d, dtype)))
 
 
 def kernel_kwargs(cache: dict, dtype: str, d: int) -> dict:
     """kv_dtype, softmax scale and the scale arrays of ``cache`` as the kernels take them."""
     kw = dict(kv_dtype=dtype, scale=d**-0.5)
-    for name in ("k_scale", "v_scale", "k_global_scale", "v_global_scale"):
+    for name in SCALE_NAMES:
         if name in cache:
             kw[name] = cache[name]
     return kw
 
 
-def jax_paged_attention(q, cache):
+def queries(key, b: int, hq: int, d: int, n: int = NUM_Q) -> list[jax.Array]:
+    """``n`` different random query sets [B, 1, Hq, D] bf16 (one decode step each)."""
+    return [jax.random.normal(jax.random.fold_in(key, 100 + i), (b, 1, hq, d), jnp.bfloat16)
+            for i in range(n)]
+
+
+# ---- the timed steps: step(consts, q), consts = the cache dict (arrays only) ----------------
+
+
+def ours_step(dtype: str, d: int, config: DecodeConfig | None = None):
+    """Our kernel as a ``time_scan`` step; every array comes from the consts (no closures over
+    device arrays: those would be baked into the program as constants)."""
+
+    def step(c, q):
+        scales = {k: c[k] for k in SCALE_NAMES if k in c}
+        return paged_decode(q, c["k_pages"], c["v_pages"], c["block_tables"], c["seq_lens"],
+                            kv_dtype=dtype, scale=d**-0.5, config=config, interpret=SMOKE,
+                            **scales)
+
+    return step
+
+
+def ref_step(dtype: str, d: int):
+    def step(c, q):
+        scales = {k: c[k] for k in SCALE_NAMES if k in c}
+        return paged_decode_reference(q, c["k_pages"], c["v_pages"], c["block_tables"],
+                                      c["seq_lens"], kv_dtype=dtype, scale=d**-0.5, **scales)
+
+    return step
+
+
+JAX_PEER = dict(block_h=16, pages_per_compute_block=8, k_splits=16)
+
+
+def jax_consts(cache: dict) -> dict:
+    """JAX's kernel takes pages [Hk, N, P, D]: transposed once, outside the timing."""
+    return dict(k=jnp.transpose(cache["k_pages"], (2, 0, 1, 3)),
+                v=jnp.transpose(cache["v_pages"], (2, 0, 1, 3)),
+                block_tables=cache["block_tables"], seq_lens=cache["seq_lens"])
+
+
+def jax_queries(xs, d: int) -> list[jax.Array]:
+    """JAX's kernel has no softmax-scale argument: its queries come pre-scaled (outside the
+    timing, so it runs no extra op)."""
+    return [(x.astype(jnp.float32) * d**-0.5).astype(x.dtype) for x in xs]
+
+
+def jax_step(c, q):
     from jax.experimental.pallas.ops.gpu import paged_attention as jpa
 
-    k = jnp.transpose(cache["k_pages"], (2, 0, 1, 3))  # [Hk, N, P, D] (outside the timing)
-    v = jnp.transpose(cache["v_pages"], (2, 0, 1, 3))
-    fn = jax.jit(functools.partial(jpa.paged_attention, block_h=16, pages_per_compute_block=8,
-                                   k_splits=16))
-    return lambda: fn(q[:, 0], k, v, cache["block_tables"], cache["seq_lens"])
+    return jpa.paged_attention(q[:, 0], c["k"], c["v"], c["block_tables"], c["seq_lens"],
+                               interpret=SMOKE, **JAX_PEER)
+
+
+def rel_err(out, want) -> float:
+    out, want = jnp.asarray(out, jnp.float32), jnp.asarray(want, jnp.float32)
+    return float(jnp.linalg.norm(out - want) / jnp.linalg.norm(want))
+
+
+def short_err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:70] if str(e) else ''}"
+
+
+# ---- time_scan split in two: compile ahead (in threads), then time ---------------------------
+
+
+def scan_loops(kv_bytes: float, per_call_us: float = 2000.0) -> int:
+    """``time_scan``'s ``loops`` for a case: enough steps per timed call for ~2 ms of device
+    time (at ~4 TB/s), 1..8 passes over the ``NUM_Q`` query sets (fewer for long cases)."""
+    est_us = kv_bytes / 4e12 * 1e6 + 5.0
+    return int(min(8, max(1, math.ceil(per_call_us / est_us / NUM_Q))))
+
+
+def _scan_fn(step):
+    """``time_scan``'s program: ``step(consts, x)`` for every x of the stacked inputs, inside
+    one jitted ``lax.scan`` (the same code, kept apart so it can be compiled ahead)."""
+
+    @jax.jit
+    def loop(c, xx):
+        return jax.lax.scan(lambda carry, x: (carry, step(c, x)), 0, xx)[1]
+
+    return loop
+
+
+def _spec(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+@dataclasses.dataclass
+class ScanJob:
+    """One timed implementation of one case: compiled ahead from shapes only, then timed with
+    ``time_scan``'s method (``time_jax`` of one call over the stacked inputs, per step)."""
+
+    step: object
+    consts_spec: object
+    x_spec: jax.ShapeDtypeStruct
+    steps: int  # NUM_Q * loops
+    future: concurrent.futures.Future | None = None
+
+    def compile(self):
+        stacked = jax.ShapeDtypeStruct((self.steps, *self.x_spec.shape), self.x_spec.dtype)
+        return _scan_fn(self.step).lower(self.consts_spec, stacked).compile()
+
+    def submit(self, pool):
+        self.future = pool.submit(self.compile) if pool else None
+        return self
+
+    def run(self, consts, xs, repeats: int = 5) -> tuple[float, jax.Array]:
+        """(seconds per step, the first step's output)."""
+        compiled = self.future.result() if self.future else self.compile()
+        stacked = jnp.stack(list(xs) * (self.steps // len(xs)))
+        first = compiled(consts, stacked)[0]
+        t = time_jax(compiled, consts, stacked, iters=1, repeats=repeats, warmup=1)
+        return t / self.steps, first
+
+
+# ---- default decode cases --------------------------------------------------------------------
 
 
 def bench(cases) -> tuple[list[dict], float]:
-    hbm = hbm_copy_bandwidth()
+    hbm = hbm_copy_bandwidth(0.05 if SMOKE else 4.0)
     rows = []
     key = jax.random.key(0)
     for b, ctx, hq, hk, d, dtype in cases:
         cache = make_cache(key, b, ctx, hk, d, dtype)
-        q = jax.random.normal(jax.random.fold_in(key, 1), (b, 1, hq, d), jnp.bfloat16)
-        kw = kernel_kwargs(cache, dtype, d)
-        pos = (q, cache["k_pages"], cache["v_pages"], cache["block_tables"], cache["seq_lens"])
-        ours = jax.jit(functools.partial(paged_decode, **kw))
-        ref = jax.jit(functools.partial(paged_decode_reference, **kw))
-        err = float(jnp.linalg.norm(ours(*pos).astype(jnp.float32) - ref(*pos))
-                    / jnp.linalg.norm(ref(*pos)))
-        t = time_jax(ours, *pos)
-        t_ref = time_jax(ref, *pos, iters=5, repeats=3)
+        xs = queries(key, b, hq, d)
         kv_bytes = b * ctx * kv_bytes_per_token(dtype, hk, d)
+        loops = scan_loops(kv_bytes)
+        kw = kernel_kwargs(cache, dtype, d)
+        pos = (xs[0], cache["k_pages"], cache["v_pages"], cache["block_tables"],
+               cache["seq_lens"])
+        ours = jax.jit(functools.partial(paged_decode, **kw, interpret=SMOKE))
+        want = jax.jit(functools.partial(paged_decode_reference, **kw))(*pos)
+        err = rel_err(ours(*pos), want)
+        del want
+        t = time_scan(ours_step(dtype, d), cache, xs, loops=loops)
+        t_host = time_jax(ours, *pos)
+        t_ref = time_scan(ref_step(dtype, d), cache, xs[:2], loops=1, repeats=3)
         row = dict(B=b, ctx=ctx, heads=f"{hq}/{hk}", D=d, kv=dtype, us=t * 1e6,
-                   kv_MB=kv_bytes / 1e6, GBps=kv_bytes / t / 1e9, frac_hbm=kv_bytes / t / hbm,
-                   tok_per_s=b / t, xla_ref_us=t_ref * 1e6, rel_err=err)
+                   host_us=t_host * 1e6, kv_MB=kv_bytes / 1e6, GBps=kv_bytes / t / 1e9,
+                   frac_hbm=kv_bytes / t / hbm, tok_per_s=b / t, xla_ref_us=t_ref * 1e6,
+                   rel_err=err)
         if dtype == "bf16":
             try:
-                t_jax = time_jax(jax_paged_attention(q, cache))
+                t_jax = time_scan(jax_step, jax_consts(cache), jax_queries(xs, d), loops=loops)
                 row.update(jax_us=t_jax * 1e6, vs_jax=t_jax / t)
             except Exception as e:  # report, do not hide
-                row["jax_us"] = f"{type(e).__name__}: {str(e)[:50]}"
+                row["jax_us"] = short_err(e)
         rows.append(row)
         print(table([row], list(row)), flush=True)
         del cache
     return rows, hbm
 
 
-# ---- decode config sweep ---------------------------------------------------------------------
+# ---- the full decode grid --------------------------------------------------------------------
 
-SWEEP = {  # case -> (pages_per_step, num_splits, num_warps, num_stages) variants
-    (1, 32768, 32, 4, 128, "bf16"): [(pp, s, 4, st) for pp in (8, 16) for s in (16, 33, 66, 132)
-                                     for st in (2, 3)],
-    (32, 16384, 32, 4, 128, "fp8"): [(pp, s, 4, st) for pp in (8, 16, 32) for s in (1, 3)
-                                     for st in (2, 4)],
-}
+GRID_B = (1, 8, 32, 128)
+GRID_CTX = (1024, 4096, 16384, 32768)
+GRID_HEADS = ((32, 4), (64, 8))
+GRID_KV = ("bf16", "fp8", "nvfp4")
+MEM_LIMIT = 120 * 2**30  # of the H200's ~139 GiB: live caches (+ JAX's transposed copy)
 
 
-def sweep() -> list[dict]:
-    """Time DecodeConfig variants against the heuristic's choice (each checked against the
-    reference) for the cases the targets of issue 8 name and miss: B=1 at 32k, FP8 at 16k."""
-    hbm = hbm_copy_bandwidth()
+def grid_shapes() -> list[tuple[int, int, int, int, int]]:
+    """(B, ctx, Hq, Hk, D): the D 128 grid, then D 256 / 512 at B 1/32, ctx 4k/32k, 32/4."""
+    if SMOKE:
+        return [(2, 100, 8, 2, 64), (1, 256, 16, 2, 128)]  # 16 pages: JAX's kernel runs
+    shapes = [(b, ctx, hq, hk, 128) for (hq, hk) in GRID_HEADS for b in GRID_B for ctx in GRID_CTX]
+    shapes += [(b, ctx, 32, 4, d) for d in (256, 512) for b in (1, 32) for ctx in (4096, 32768)]
+    return shapes
+
+
+def heuristic(b, ctx, hq, hk, d, dtype) -> DecodeConfig:
+    return choose_decode_config(b, hk, hq // hk, 1, -(-ctx // PAGE), PAGE, d, dtype,
+                                device_sm_count())
+
+
+def cfg_str(c: DecodeConfig) -> str:
+    extra = "".join(f" {n[0]}:{getattr(c, n)}" for n in ("v_convert", "k_convert")
+                    if getattr(c, n) != "cast")
+    return f"{c.pages_per_step}p/{c.num_splits}s/{c.num_warps}w/{c.num_stages}st{extra}"
+
+
+def grid_jobs(shape, pool) -> dict:
+    """Every timed implementation of one grid shape, submitted for compilation: keys
+    (dtype, variant) with variant "ours", "vasm" (FP8) or "jax" (BF16, D 128)."""
+    b, ctx, hq, hk, d = shape
+    kv_bytes = b * ctx * kv_bytes_per_token("bf16", hk, d)
+    steps = NUM_Q * scan_loops(kv_bytes / 2)  # same step count for every dtype of the shape
+    x_spec = jax.ShapeDtypeStruct((b, 1, hq, d), jnp.bfloat16)
+    jobs = {}
+    for dtype in GRID_KV:
+        spec = cache_spec(b, ctx, hk, d, dtype)
+        cfg = heuristic(*shape, dtype)
+        jobs[dtype, "ours"] = ScanJob(ours_step(dtype, d, cfg), spec, x_spec, steps)
+        if dtype == "fp8":
+            vasm = dataclasses.replace(cfg, v_convert="asm")
+            jobs[dtype, "vasm"] = ScanJob(ours_step(dtype, d, vasm), spec, x_spec, steps)
+        if dtype == "bf16" and d == 128:
+            jspec = jax.eval_shape(jax_consts, spec)
+            jobs[dtype, "jax"] = ScanJob(jax_step, jspec, x_spec, steps)
+    if pool is not None:
+        for job in jobs.values():
+            job.submit(pool)
+    return jobs
+
+
+def grid(jobs_in_flight: int) -> tuple[list[dict], float]:
+    hbm = hbm_copy_bandwidth(0.05 if SMOKE else 4.0)
+    shapes = grid_shapes()
+    pool = (concurrent.futures.ThreadPoolExecutor(jobs_in_flight) if jobs_in_flight > 1
+            else None)
+    all_jobs = [grid_jobs(shape, pool) for shape in shapes]  # compiles start in order
     rows = []
     key = jax.random.key(0)
-    for (b, ctx, hq, hk, d, dtype), variants in SWEEP.items():
-        cache = make_cache(key, b, ctx, hk, d, dtype)
-        q = jax.random.normal(jax.random.fold_in(key, 1), (b, 1, hq, d), jnp.bfloat16)
-        kw = kernel_kwargs(cache, dtype, d)
-        pos = (q, cache["k_pages"], cache["v_pages"], cache["block_tables"], cache["seq_lens"])
-        want = jax.jit(functools.partial(paged_decode_reference, **kw))(*pos)
+    start = time.perf_counter()
+    for shape, jobs in zip(shapes, all_jobs, strict=True):
+        b, ctx, hq, hk, d = shape
+        xs = queries(key, b, hq, d)
+        t_bf16 = None
+        for dtype in GRID_KV:
+            kv_bytes = b * ctx * kv_bytes_per_token(dtype, hk, d)
+            row = dict(B=b, ctx=ctx, heads=f"{hq}/{hk}", D=d, kv=dtype, kv_MB=kv_bytes / 1e6,
+                       config=cfg_str(heuristic(*shape, dtype)))
+            rows.append(row)
+            need = cache_bytes(b, ctx, hk, d, dtype) * (2 if (dtype, "jax") in jobs else 1)
+            if need > MEM_LIMIT:
+                row["us"] = f"skipped: ~{need / 2**30:.0f} GiB of cache does not fit"
+                for k in [k for k in jobs if k[0] == dtype]:
+                    if jobs[k].future:
+                        jobs[k].future.cancel()
+                continue
+            try:
+                cache = make_cache(jax.random.fold_in(key, hash(shape) % 1000), b, ctx, hk, d,
+                                   dtype)
+                t, out = jobs[dtype, "ours"].run(cache, xs)
+            except Exception as e:  # report, do not hide
+                row["us"] = short_err(e)
+                continue
+            row.update(us=t * 1e6, GBps=kv_bytes / t / 1e9, frac_hbm=kv_bytes / t / hbm)
+            if dtype == "bf16":
+                t_bf16 = t
+            elif t_bf16 is not None:
+                row["vs_bf16"] = t_bf16 / t  # tokens/s ratio
+            if (dtype, "vasm") in jobs:
+                try:
+                    t_a, out_a = jobs[dtype, "vasm"].run(cache, xs)
+                    row.update(vasm_us=t_a * 1e6, vasm_frac_hbm=kv_bytes / t_a / hbm,
+                               vasm_speedup=t / t_a, vasm_err=rel_err(out_a, out))
+                    if t_bf16 is not None:
+                        row["vasm_vs_bf16"] = t_bf16 / t_a
+                except Exception as e:
+                    row["vasm_us"] = short_err(e)
+            if (dtype, "jax") in jobs:
+                try:
+                    t_j, out_j = jobs[dtype, "jax"].run(jax_consts(cache), jax_queries(xs, d))
+                    row.update(jax_us=t_j * 1e6, vs_jax=t_j / t,
+                               jax_err=rel_err(out_j.reshape(out.shape), out))
+                except Exception as e:
+                    row["jax_us"] = short_err(e)
+            elif dtype == "bf16":
+                row["jax_us"] = "not run (D != 128)"
+            del cache
+            print(table([row], list(row)), f"[{time.perf_counter() - start:.0f} s]", flush=True)
+    if pool is not None:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return rows, hbm
+
+
+GRID_COLS = ["B", "ctx", "heads", "D", "kv", "config", "us", "kv_MB", "GBps", "frac_hbm",
+             "vs_bf16", "jax_us", "vs_jax", "vasm_us", "vasm_frac_hbm", "vasm_speedup",
+             "vasm_vs_bf16", "vasm_err"]
+
+
+# ---- decode config sweep ---------------------------------------------------------------------
+
+
+def _sweep_variants():
+    """case -> DecodeConfig variants (None: the heuristic's choice)."""
+    if SMOKE:
+        return {(2, 100, 8, 2, 64, "fp8"): [None, DecodeConfig(2, 2), DecodeConfig(
+            2, 2, v_convert="asm"), DecodeConfig(4, 1, v_convert="asm", k_convert="asm")]}
+    b1_bf16 = [DecodeConfig(pp, s, 4, st) for pp in (8, 16) for s in (16, 33, 66, 132, 264)
+               for st in (2, 3)]
+    b1_fp8 = [DecodeConfig(8, s, 4, 2, v_convert=v) for s in (33, 66, 132, 264)
+              for v in ("cast", "asm")]
+    fp8_16k = [DecodeConfig(pp, s, 4, st, v_convert=v) for pp in (8, 16, 32) for s in (1, 3)
+               for st in (2, 4) for v in ("cast", "asm")]
+    fp8_16k += [DecodeConfig(8, 3, 4, st, "asm", "asm") for st in (2, 4)]
+    fp8_16k += [DecodeConfig(8, 3, 8, st, v_convert="asm") for st in (2, 3)]
+    fp8_4k = [DecodeConfig(8, s, 4, st, v_convert=v) for s in (1, 2, 4) for st in (2, 4)
+              for v in ("cast", "asm")]
+    return {
+        (1, 32768, 32, 4, 128, "bf16"): [None, *b1_bf16],
+        (1, 32768, 32, 4, 128, "fp8"): [None, "vasm", *b1_fp8],
+        (32, 16384, 32, 4, 128, "fp8"): [None, "vasm", "kvasm", *fp8_16k],
+        (32, 4096, 32, 4, 128, "fp8"): [None, "vasm", "kvasm", *fp8_4k],
+    }
+
+
+def sweep(jobs_in_flight: int) -> list[dict]:
+    """Time DecodeConfig variants against the heuristic's choice (each checked against the
+    reference) for the cases the targets of issue 8 name and miss: B=1 at 32k, FP8 at 16k.
+    "vasm" / "kvasm": the heuristic's config with V (V and K) converted by inline PTX."""
+    hbm = hbm_copy_bandwidth(0.05 if SMOKE else 4.0)
+    pool = (concurrent.futures.ThreadPoolExecutor(jobs_in_flight) if jobs_in_flight > 1
+            else None)
+    cases = []
+    for (b, ctx, hq, hk, d, dtype), variants in _sweep_variants().items():
+        base = heuristic(b, ctx, hq, hk, d, dtype)
+        named = []
+        for v in variants:
+            match v:
+                case None:
+                    named.append((f"heuristic {cfg_str(base)}", base))
+                case "vasm":
+                    named.append(("heuristic + v asm", dataclasses.replace(base, v_convert="asm")))
+                case "kvasm":
+                    c = dataclasses.replace(base, v_convert="asm", k_convert="asm")
+                    named.append(("heuristic + k,v asm", c))
+                case _:
+                    named.append((cfg_str(v), v))
         kv_bytes = b * ctx * kv_bytes_per_token(dtype, hk, d)
-        for v in [None, *variants]:
-            config = None if v is None else DecodeConfig(*v)
-            fn = jax.jit(functools.partial(paged_decode, **kw, config=config))
-            err = float(jnp.linalg.norm(fn(*pos).astype(jnp.float32) - want)
-                        / jnp.linalg.norm(want))
-            t = time_jax(fn, *pos)
-            row = dict(B=b, ctx=ctx, kv=dtype, config="heuristic" if v is None else str(v),
-                       us=t * 1e6, frac_hbm=kv_bytes / t / hbm, rel_err=err)
+        steps = NUM_Q * scan_loops(kv_bytes)
+        spec = cache_spec(b, ctx, hk, d, dtype)
+        x_spec = jax.ShapeDtypeStruct((b, 1, hq, d), jnp.bfloat16)
+        jobs = [(name, ScanJob(ours_step(dtype, d, c), spec, x_spec, steps).submit(pool))
+                for name, c in named]
+        cases.append(((b, ctx, hq, hk, d, dtype), kv_bytes, jobs))
+    rows = []
+    key = jax.random.key(0)
+    for (b, ctx, hq, hk, d, dtype), kv_bytes, jobs in cases:
+        cache = make_cache(key, b, ctx, hk, d, dtype)
+        xs = queries(key, b, hq, d)
+        want = jax.jit(ref_step(dtype, d))(cache, xs[0])
+        for name, job in jobs:
+            row = dict(B=b, ctx=ctx, kv=dtype, config=name)
+            try:
+                t, out = job.run(cache, xs)
+                row.update(us=t * 1e6, frac_hbm=kv_bytes / t / hbm, rel_err=rel_err(out, want))
+            except Exception as e:  # report, do not hide
+                row["us"] = short_err(e)
             rows.append(row)
             print(table([row], list(row)), flush=True)
-        del cache
+        del cache, want
+    if pool is not None:
+        pool.shutdown(wait=False, cancel_futures=True)
     return rows
 
 
@@ -308,32 +617,68 @@ def bench_prefill(cases, rate: float) -> list[dict]:
     return rows
 
 
+def _emit(text: str, out: Path | None) -> None:
+    print(text)
+    if out:
+        out.write_text(text)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    global SMOKE
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--prefill", action="store_true", help="only the prefill section")
+    parser.add_argument("--grid", action="store_true",
+                        help="only: the full decode grid (B x context x heads x D x KV dtype)")
     parser.add_argument("--sweep", action="store_true",
-                        help="only: time decode config variants (pages per step, splits, stages)")
+                        help="only: time decode config variants (pages per step, splits, stages, "
+                             "FP8 V/K conversion)")
+    parser.add_argument("--jobs", type=int, default=8,
+                        help="--grid / --sweep: compiles in flight (threads; 1: compile inline)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny decode cases, grid and sweep in interpret mode (CPU check of "
+                             "this script, not a measurement)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    if jax.default_backend() != "gpu":
-        sys.exit("benchmarks/paged_attention.py needs a GPU")
+    SMOKE = args.smoke
+    if jax.default_backend() != "gpu" and not SMOKE:
+        sys.exit("benchmarks/paged_attention.py needs a GPU (or --smoke)")
     device = f"{datetime.date.today()}, {jax.devices()[0].device_kind}, jax {jax.__version__}"
+    method = (f"Device time per step: `time_scan` ({NUM_Q} query sets cycled inside one jitted "
+              "lax.scan; no host dispatch)")
+    if SMOKE:
+        rows, _ = bench(SMOKE_CASES)
+        grid_rows, _ = grid(args.jobs)
+        sweep_rows = sweep(args.jobs)
+        _emit("\n\n".join(table(r, list(r[0])) for r in (rows, grid_rows, sweep_rows)),
+              args.out)
+        return
     if args.sweep:
-        rows = sweep()
-        text = (f"## paged_attention decode config sweep ({device})\n\n"
-                f"{table(rows, list(rows[0]))}\n")
-        print(text)
-        if args.out:
-            args.out.write_text(text)
+        rows = sweep(args.jobs)
+        _emit(f"## paged_attention decode config sweep ({device}, page {PAGE})\n\n{method}\n\n"
+              f"{table(rows, list(rows[0]))}\n", args.out)
+        return
+    if args.grid:
+        start = time.perf_counter()
+        rows, hbm = grid(args.jobs)
+        _emit(f"## paged_attention decode grid ({device}, page {PAGE})\n\n"
+              f"HBM copy {hbm / 1e12:.2f} TB/s (measured in this run). {method}. Config: the "
+              "heuristic's (pages/splits/warps/stages). vs_bf16: tokens/s over the BF16 kernel "
+              "of the same case. vasm_*: the FP8 kernel with V converted by inline PTX "
+              "(`DecodeConfig.v_convert=\"asm\"`); vasm_speedup = cast us / asm us; vasm_err "
+              "vs the cast kernel's output. jax_*: JAX's `paged_attention` (block_h 16, 8 pages "
+              "per block, 16 splits), D 128 BF16 only; jax_err vs our output. Wall time "
+              f"{time.perf_counter() - start:.0f} s.\n\n{table(rows, GRID_COLS)}\n", args.out)
         return
     parts = []
     if not args.prefill:
         rows, hbm = bench(QUICK if args.quick else CASES)
-        cols = ["B", "ctx", "heads", "D", "kv", "us", "kv_MB", "GBps", "frac_hbm", "tok_per_s",
-                "jax_us", "vs_jax", "xla_ref_us", "rel_err"]
+        cols = ["B", "ctx", "heads", "D", "kv", "us", "host_us", "kv_MB", "GBps", "frac_hbm",
+                "tok_per_s", "jax_us", "vs_jax", "xla_ref_us", "rel_err"]
         parts += [f"## paged_attention decode ({device}, page {PAGE})", "",
-                  f"HBM copy {hbm / 1e12:.2f} TB/s (measured in this run)", "",
+                  f"HBM copy {hbm / 1e12:.2f} TB/s (measured in this run). {method}; host_us: "
+                  "ours with one host dispatch per call (`time_jax`).", "",
                   table(rows, cols), ""]
     check = prefill_check()
     rate = dense_matmul_rate()

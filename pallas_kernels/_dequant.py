@@ -99,3 +99,37 @@ def fp4_to_f16_scaled(packed, inline_asm: bool):
             for m, s in ((9, 12), (5, 8)))
     codes = packed.astype(jnp.int32)
     return e2m1_to_f16_scaled(codes), e2m1_to_f16_scaled(codes >> 4)
+
+
+# E4M3 values (FP8 KV pages), converted in registers right after the load. Four bytes per
+# instance in one 32-bit register ($2) -> four f16 in two ($0: bytes 0-1, $1: bytes 2-3), one
+# packed ``cvt.rn.f16x2.e4m3x2`` per half (``mov.b32 {lo, hi}`` splits the register for free:
+# no ``prmt``, unlike a 16-bit-operand form). $3 is unused: a "guard" operand. Triton's
+# dot-operand hoisting (OptimizeDotOperands' HoistLayoutConversion) moves the change to the MMA
+# operand layout above elementwise ops -- casts, arith, and pure inline asm -- as long as the
+# walk up from the convert meets a load or a constant before any other op; it did so with a
+# unary asm and with a constant second operand (offline sm_90 build: V still read from shared
+# memory one byte at a time). The guard is a row index broadcast along the columns: a
+# ``broadcast`` is not hoistable and, as the asm's last operand, it is met first, so the layout
+# change stays after the conversion, on f16 data.
+_FP8_TO_F16_ASM = """{
+.reg .b16 lo, hi;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 $0, lo;
+cvt.rn.f16x2.e4m3x2 $1, hi;
+}"""
+
+
+def fp8_to_f16(x, inline_asm: bool):
+    """float8_e4m3fn ``[r, c]`` -> float16 ``[r, c]`` (exact). ``inline_asm``: the PTX above
+    (GPU: an elementwise op the compiler keeps where it is written); else ``astype``
+    (interpret mode; the same values)."""
+    if not inline_asm:
+        return x.astype(jnp.float16)
+    out = jax.ShapeDtypeStruct(x.shape, jnp.float16)
+    rows = jnp.arange(x.shape[0], dtype=jnp.int32).astype(jnp.uint8)
+    guard = jnp.broadcast_to(rows[:, None], x.shape)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint8)
+    return plgpu.elementwise_inline_asm(
+        _FP8_TO_F16_ASM, args=[bits, guard], constraints="=r,=r,r,r", pack=4,
+        result_shape_dtypes=[out])[0]

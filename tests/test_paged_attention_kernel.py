@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from jax._src import mesh as mesh_lib
 
-from pallas_kernels._dequant import e2m1_to_f16_scaled
+from pallas_kernels._dequant import e2m1_to_f16_scaled, fp8_to_f16
 from pallas_kernels.paged_attention.config import (
     DecodeConfig,
     KVDtype,
@@ -244,6 +244,63 @@ class TestNVFP4(PagedDecodeBase):
     kv_dtype = KVDtype.NVFP4
 
 
+class TestFP8Convert:
+    """``DecodeConfig.v_convert`` / ``k_convert = "asm"`` (inline-PTX e4m3 -> f16 after the load
+    on the GPU; its jnp twin in interpret mode) against the reference: FP8 pages, ragged
+    lengths, poisoned unreadable cells."""
+
+    @pytest.mark.parametrize(
+        "config,opts",
+        [
+            (DecodeConfig(2, 1, v_convert="asm"), {}),
+            (DecodeConfig(2, 3, v_convert="asm", k_convert="asm"), dict(window=13, sinks=True)),
+            (DecodeConfig(4, 2, k_convert="asm"), dict(softcap=5.0)),
+        ],
+        ids=["v_s1", "kv_s3_window_sinks", "k_s2_softcap"],
+    )
+    def test_matches_reference(self, config, opts):
+        args, kw = make_case(
+            11,
+            KVDtype.FP8,
+            q_len=2,
+            group=4,
+            d=64,
+            window=opts.get("window"),
+            sinks=opts.get("sinks", False),
+        )
+        kw["logit_softcap"] = opts.get("softcap")
+        out = paged_decode(*args, **kw, config=config, out_dtype=jnp.float32, interpret=True)
+        cast = paged_decode(
+            *args,
+            **kw,
+            config=DecodeConfig(config.pages_per_step, config.num_splits),
+            out_dtype=jnp.float32,
+            interpret=True,
+        )
+        assert_matches(out, paged_decode_reference(*args, **kw), KVDtype.FP8)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(cast))  # same values
+
+    @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled PTX conversion")
+    @pytest.mark.parametrize(
+        "config",
+        [DecodeConfig(8, 3, 4, 4, v_convert="asm"), DecodeConfig(4, 1, 8, 2, "asm", "asm")],
+        ids=["v_s3", "kv_s1_w8"],
+    )
+    def test_compiled_matches_reference(self, config):
+        args, kw = make_case(23, KVDtype.FP8, q_len=2, group=8, d=128, window=700, geo=GPU_GEO)
+        out = paged_decode(*args, **kw, config=config, out_dtype=jnp.float32)
+        assert_matches(out, paged_decode_reference(*args, **kw), KVDtype.FP8)
+
+    def test_fp8_to_f16_twin_is_exact(self):
+        codes = jnp.arange(256, dtype=jnp.uint8).reshape(16, 16)
+        x = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+        got = fp8_to_f16(x, inline_asm=False)
+        chex.assert_type(got, jnp.float16)
+        np.testing.assert_array_equal(
+            np.asarray(got, np.float32), np.asarray(x.astype(jnp.float32))
+        )
+
+
 class TestOtherShapes:
     def test_head_dim_256_with_heuristic_config(self):
         """D = 256, f32 queries, default config (one split without a GPU), out dtype = q's."""
@@ -354,6 +411,8 @@ class TestConfig:
             dict(pages_per_step=4, num_warps=3),
             dict(pages_per_step=4, num_stages=0),
             dict(pages_per_step=4, num_splits=True),
+            dict(pages_per_step=4, v_convert="ptx"),
+            dict(pages_per_step=4, k_convert=None),
         ],
     )
     def test_invalid_config_raises(self, kwargs):
@@ -471,6 +530,8 @@ class TestInvalidInputs:
             (KVDtype.BF16, dict(logit_softcap=-1.0), "logit_softcap"),
             (KVDtype.BF16, dict(kv_dtype="int8"), "kv_dtype"),
             (KVDtype.BF16, dict(config=DecodeConfig(1)), "pages_per_step"),
+            (KVDtype.BF16, dict(config=DecodeConfig(2, v_convert="asm")), "FP8 pages only"),
+            (KVDtype.NVFP4, dict(config=DecodeConfig(2, k_convert="asm")), "FP8 pages only"),
         ],
     )
     def test_bad_options(self, kv_dtype, over, match):
@@ -546,6 +607,18 @@ LOWERING_VARIANTS = [
     (KVDtype.BF16, 256, 3, 32, 4, 16, dict(sinks=True), DecodeConfig(4, 1, 8, 2)),
     (KVDtype.NVFP4, 512, 2, 32, 4, 16, dict(sinks=True), DecodeConfig(2, 2, 8, 2)),
     (KVDtype.FP8, 64, 1, 8, 8, 32, {}, None),  # heuristic config, MHA
+    # FP8 V (and K) converted with inline PTX after the load (DecodeConfig.v_convert / k_convert)
+    (KVDtype.FP8, 128, 1, 32, 4, 16, {}, DecodeConfig(8, 3, 4, 4, v_convert="asm")),
+    (
+        KVDtype.FP8,
+        256,
+        2,
+        32,
+        4,
+        16,
+        dict(sinks=True, logit_softcap=30.0),
+        DecodeConfig(4, 1, 8, 2, v_convert="asm", k_convert="asm"),
+    ),
 ]
 
 
@@ -598,4 +671,7 @@ class TestTritonLowering:
                 .trace(q, _sd((b, pt), jnp.int32), _sd((b,), jnp.int32), arrays)
                 .lower(lowering_platforms=("cuda",))
             )
-        assert "__gpu$xla.gpu.triton" in lowered.as_text()
+        text = lowered.as_text()
+        assert "__gpu$xla.gpu.triton" in text
+        asm = config is not None and "asm" in (config.v_convert, config.k_convert)
+        assert ("cvt.rn.f16x2.e4m3x2" in text) == asm  # the PTX e4m3 conversion, when chosen

@@ -16,6 +16,7 @@ from pallas_kernels._enums import CoercibleEnum
 NVFP4_GROUP = 16  # E2M1 values along D that share one E4M3 scale
 HEAD_DIMS = (64, 128, 256, 512)  # head dims the decode kernel tiles (D is held whole)
 MIN_DOT = 16  # smallest tl.dot extent along M, N and K
+FP8_CONVERTS = ("cast", "asm")  # DecodeConfig.v_convert / k_convert
 
 
 class KVDtype(CoercibleEnum):
@@ -131,8 +132,21 @@ class DecodeConfig(_LaunchConfig):
     num_splits: int = 1  # split-K partitions of each sequence (1: no reduce pass)
     num_warps: int = 4
     num_stages: int = 2  # software-pipelining depth of the page loop
+    # FP8 pages only (other dtypes need "cast"): how the e4m3 V (K) tile becomes the f16 dot
+    # operand. "cast": Triton's own conversion, which it sinks past the change to the MMA
+    # operand layout (V then reaches that layout as bytes, read one at a time: no 8-bit
+    # ldmatrix.trans on sm_90). "asm": inline PTX ``cvt.rn.f16x2.e4m3x2`` right after the load
+    # (``_dequant.fp8_to_f16``), so the layout change moves 16-bit data. An experiment.
+    v_convert: str = "cast"
+    k_convert: str = "cast"
 
     def __post_init__(self):
+        for name in ("v_convert", "k_convert"):
+            if getattr(self, name) not in FP8_CONVERTS:
+                raise ValueError(
+                    f"DecodeConfig.{name}: expected one of {FP8_CONVERTS}, "
+                    f"got {getattr(self, name)!r}"
+                )
         if not _is_pow2(self.pages_per_step) or self.pages_per_step > 256:
             raise ValueError(
                 f"DecodeConfig.pages_per_step: expected a power of two in [1, 256], "
@@ -148,9 +162,17 @@ class DecodeConfig(_LaunchConfig):
             )
         self._check_warps_stages()
 
-    def check(self, page_size: int) -> None:
-        """Raises ValueError when this config cannot run with ``page_size``."""
+    def check(self, page_size: int, kv_dtype: KVDtype | str | None = None) -> None:
+        """Raises ValueError when this config cannot run with ``page_size`` (and ``kv_dtype``,
+        when given: ``v_convert`` / ``k_convert`` other than "cast" need FP8 pages)."""
         self._check_tokens_per_step(page_size)
+        if kv_dtype is not None and KVDtype.coerce(kv_dtype) is not KVDtype.FP8:
+            for name in ("v_convert", "k_convert"):
+                if getattr(self, name) != "cast":
+                    raise ValueError(
+                        f"DecodeConfig.{name}={getattr(self, name)!r} applies to FP8 pages only, "
+                        f"got kv_dtype {KVDtype.coerce(kv_dtype).value}"
+                    )
 
 
 def choose_decode_config(

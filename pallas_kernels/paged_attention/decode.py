@@ -21,7 +21,14 @@ Dequantization. FLOAT32 pages go to IEEE f32 dots and BF16 pages straight to bf1
 cast to bf16). FP8 and NVFP4 pages become f16 dot operands: on sm_90 Triton converts e4m3 -> f16
 with one ``cvt.rn.f16x2.e4m3x2`` per two values but e4m3 -> bf16 takes that plus two
 ``cvt.bf16.f16``, and conversions issue at a fraction of the FP32 rate, so the bf16 route would
-make FP8 decode conversion-bound. e4m3 -> f16 is exact. NVFP4 codes become f16 by bit
+make FP8 decode conversion-bound. e4m3 -> f16 is exact. Triton sinks that cast past the change
+of V's layout to the MMA operand's (V ``[T, D]`` is the B operand with K = T but D contiguous:
+no 8-bit ``ldmatrix.trans`` on sm_90), so V reaches the MMA layout as bytes read one at a time;
+``DecodeConfig.v_convert="asm"`` (``k_convert`` for K) instead converts right after the load with
+inline PTX (``_dequant.fp8_to_f16``, with a guard operand Triton does not hoist past) so the
+layout change moves f16
+(offline sm_90 build: no byte-wise shared-memory reads, ``ldmatrix.trans`` instead; 255 -> 168
+registers, loop 1228 -> 986 instructions at B 32, 8 pages a step). NVFP4 codes become f16 by bit
 placement, ``((c & 7) << 9) | ((c & 8) << 12)`` = ``e2m1 * 2^-14`` (subnormal codes included;
 ``pallas_kernels._dequant.fp4_to_f16_scaled``: two values per 32-bit op in PTX on the GPU),
 times the f16 block scale: exact (<= 5 significant bits) unless ``e2m1 * scale < 2^-6``, where
@@ -64,6 +71,7 @@ from pallas_kernels._dequant import (
     F16_FP4_FACTOR,
     e2m1_to_f16_scaled,
     fp4_to_f16_scaled,
+    fp8_to_f16,
 )
 from pallas_kernels._device import device_sm_count
 from pallas_kernels._offsets import check_offsets
@@ -185,6 +193,8 @@ class _Static(_StaticKV):
     sliding_window: int | None
     logit_softcap: float | None
     inline_asm: bool  # GPU: NVFP4 unpack in PTX (interpret mode: the same bits in jnp)
+    v_asm: bool = False  # FP8 V tile to f16 with inline PTX after the load (DecodeConfig)
+    k_asm: bool = False  # the same for K
 
     @property
     def split_d(self) -> bool:
@@ -222,13 +232,24 @@ def load_q_block(q_ref, q_rows, col_sets, row_ok, compute_dtype, row_mask=None):
     return tuple(qh.astype(compute_dtype) for qh in q_halves), logit_rows
 
 
-def load_kv_tile(kv_dtype: KVDtype, data_ref, scale_ref, global_ref, rows, tok_ok, inline_asm=None):
+def load_kv_tile(
+    kv_dtype: KVDtype,
+    data_ref,
+    scale_ref,
+    global_ref,
+    rows,
+    tok_ok,
+    inline_asm=None,
+    fp8_asm: bool = False,
+):
     """Gathers ``rows`` ([T] row ids) of one kv head: (tiles, f32 per-token factor [T] | None).
 
     Tiles are the dot operands: ``([T, D],)``, or NVFP4's ``(even d, odd d)`` [T, D/2] f16 (times
     2^-14, folded into the factor). ``tok_ok`` [T] masks the loads (None: no mask). NVFP4
     unpack: ``inline_asm`` None, the codes widened up front and placed in jnp (prefill); a
-    bool, ``fp4_to_f16_scaled`` after the block scales (decode; True: PTX on the GPU).
+    bool, ``fp4_to_f16_scaled`` after the block scales (decode; True: PTX on the GPU). FP8:
+    ``fp8_asm`` converts with ``fp8_to_f16`` (PTX when ``inline_asm``; ``DecodeConfig.v_convert``)
+    instead of a cast Triton may move.
     """
     mask = None if tok_ok is None else tok_ok[:, None]
     cols = jnp.arange(data_ref.shape[1], dtype=jnp.int32)
@@ -243,7 +264,9 @@ def load_kv_tile(kv_dtype: KVDtype, data_ref, scale_ref, global_ref, rows, tok_o
             return (raw,), None
         case KVDtype.FP8:
             s = plgpu.load(scale_ref.at[rows], mask=tok_ok, other=other)  # [T] f32
-            return (raw.astype(jnp.float16),), s  # exact; cvt.rn.f16x2.e4m3x2
+            if fp8_asm:  # exact either way; cvt.rn.f16x2.e4m3x2
+                return (fp8_to_f16(raw, bool(inline_asm)),), s
+            return (raw.astype(jnp.float16),), s
         case KVDtype.NVFP4:
             codes = raw.astype(jnp.int32) if inline_asm is None else None  # [T, D/2]
             s_cols = jnp.arange(scale_ref.shape[1], dtype=jnp.int32)
@@ -410,8 +433,8 @@ def paged_decode_kernel(
         rows = page_ids * (p * st.num_kv_heads) + kv_row_in_page  # [T] rows of k_ref / v_ref
 
         load = functools.partial(load_kv_tile, st.kv_dtype, inline_asm=st.inline_asm)
-        k_tiles, k_tok = load(k_ref, k_scale_ref, k_global_ref, rows, tok_ok)
-        v_tiles, v_tok = load(v_ref, v_scale_ref, v_global_ref, rows, tok_ok)
+        k_tiles, k_tok = load(k_ref, k_scale_ref, k_global_ref, rows, tok_ok, fp8_asm=st.k_asm)
+        v_tiles, v_tok = load(v_ref, v_scale_ref, v_global_ref, rows, tok_ok, fp8_asm=st.v_asm)
 
         s = step_logits(q_halves, k_tiles, k_tok, logit_rows, st)  # [R, T] f32
 
@@ -500,6 +523,8 @@ def _paged_decode_pallas(
         name=(
             f"paged_decode_{st.kv_dtype.value}_d{st.head_dim}_r{st.rows}"
             f"_t{st.tokens_per_step}_s{st.num_splits}"
+            + ("_kasm" if st.k_asm else "")
+            + ("_vasm" if st.v_asm else "")
         ),
     )(
         *kernel_operands(
@@ -756,7 +781,7 @@ def paged_decode(
         config = choose_decode_config(
             b, hk, hq // hk, nq, block_tables.shape[1], p, d, kv_dtype, device_sm_count()
         )
-    config.check(p)
+    config.check(p, kv_dtype)
 
     st = _Static(
         kv_dtype=kv_dtype,
@@ -774,6 +799,8 @@ def paged_decode(
         sliding_window=sliding_window,
         logit_softcap=None if logit_softcap is None else float(logit_softcap),
         inline_asm=not interpret,
+        v_asm=config.v_convert == "asm",
+        k_asm=config.k_convert == "asm",
     )
     return _paged_decode_pallas(
         seq_lens.astype(jnp.int32),
