@@ -435,7 +435,7 @@ def main() -> None:
                                ["bf16", "nvfp4", "mxfp4", "fp8"])
     token_counts = args.tokens or ((1, 2, 3) if args.tiny else
                                    (1, 8, 64) if args.quick else TOKENS)
-    loops = 1 if args.tiny else 8
+    loops = 1 if args.tiny else 4
     device = jax.devices()[0]
     lines = [f"## moe_decode ({datetime.date.today()}, {device.device_kind}, jax "
              f"{jax.__version__}{', interpret mode' if not on_gpu else ''})", ""]

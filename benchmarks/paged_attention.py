@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import (  # noqa: E402
     dense_matmul_rate,
     hbm_copy_bandwidth,
+    scan_program,
     table,
     time_jax,
     time_scan,
@@ -207,17 +208,6 @@ def scan_loops(kv_bytes: float, per_call_us: float = 2000.0) -> int:
     return int(min(8, max(1, math.ceil(per_call_us / est_us / NUM_Q))))
 
 
-def _scan_fn(step):
-    """``time_scan``'s program: ``step(consts, x)`` for every x of the stacked inputs, inside
-    one jitted ``lax.scan`` (the same code, kept apart so it can be compiled ahead)."""
-
-    @jax.jit
-    def loop(c, xx):
-        return jax.lax.scan(lambda carry, x: (carry, step(c, x)), 0, xx)[1]
-
-    return loop
-
-
 def _spec(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
@@ -235,7 +225,7 @@ class ScanJob:
 
     def compile(self):
         stacked = jax.ShapeDtypeStruct((self.steps, *self.x_spec.shape), self.x_spec.dtype)
-        return _scan_fn(self.step).lower(self.consts_spec, stacked).compile()
+        return scan_program(self.step).lower(self.consts_spec, stacked).compile()
 
     def submit(self, pool):
         self.future = pool.submit(self.compile) if pool else None
@@ -629,6 +619,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--prefill", action="store_true", help="only the prefill section")
+    parser.add_argument("--decode", action="store_true", help="only the decode section")
     parser.add_argument("--grid", action="store_true",
                         help="only: the full decode grid (B x context x heads x D x KV dtype)")
     parser.add_argument("--sweep", action="store_true",
@@ -680,6 +671,9 @@ def main() -> None:
                   f"HBM copy {hbm / 1e12:.2f} TB/s (measured in this run). {method}; host_us: "
                   "ours with one host dispatch per call (`time_jax`).", "",
                   table(rows, cols), ""]
+    if args.decode:
+        _emit("\n".join(parts), args.out)
+        return
     check = prefill_check()
     rate = dense_matmul_rate()
     rows = bench_prefill(QUICK_PREFILL if args.quick else PREFILL_CASES, rate)
