@@ -26,29 +26,70 @@ def time_jax(fn: Callable, *args, iters: int = 20, repeats: int = 5, warmup: int
 
 
 def scan_program(step: Callable) -> Callable:
-    """``loop(consts, stacked_xs)``: ``step(consts, x)`` for every x of the stacked inputs, in
-    one jitted program with the scan fully unrolled. A rolled ``lax.scan`` is a while loop, and
-    XLA:GPU reads a while loop's predicate back to the host every iteration: measured on the
-    H200, that put a ~15 us floor under every step (B=1 paged decode of 2 MB of KV: 18.6 us)."""
+    """``loop(consts, stacked_xs)``: ``step(consts, x)`` for every x of the stacked inputs,
+    inside one jitted ``lax.scan``. Rolled on purpose: on the H200 the fully unrolled program
+    measured slower per step for short steps (Qwen3 1-token MoE decode 61 us vs 50 us; B=1 32k
+    paged decode 62 vs 39 us), as fast as one host dispatch per step, while the rolled loop
+    still pays XLA:GPU's while-loop overhead (its predicate is read back every iteration)."""
 
     @jax.jit
     def loop(c, xx):
-        return jax.lax.scan(lambda carry, x: (carry, step(c, x)), 0, xx, unroll=True)[1]
+        return jax.lax.scan(lambda carry, x: (carry, step(c, x)), 0, xx)[1]
 
     return loop
 
 
 def time_scan(step: Callable, consts, xs, *, repeats: int = 5, loops: int = 8) -> float:
-    """Median device seconds per ``step(consts, x)`` over the inputs ``xs`` (a list of arrays
-    or pytrees, cycled ``loops`` times), all steps back to back in one jitted program
-    (``scan_program``): launch gaps between the kernels count, the host's per-call dispatch
-    (~30 us for a pytree of weights) does not. That is METHOD.md's "time graph replays" for
-    steps of many small launches, and how a decode loop runs them (CUDA graphs, or a model's
-    layers in one program)."""
+    """Median seconds per ``step(consts, x)`` over the inputs ``xs`` (a list of arrays or
+    pytrees, cycled ``loops`` times), all steps inside one jitted program (``scan_program``):
+    the host's per-call dispatch (~30 us for a pytree of weights) does not count, launch gaps
+    and the loop's own overhead do. ``device_busy`` gives the kernels' time alone."""
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *(list(xs) * loops))
     steps = len(xs) * loops
     return time_jax(scan_program(step), consts, stacked, iters=1, repeats=repeats,
                     warmup=1) / steps
+
+
+def rotating(fn: Callable, consts, xs) -> Callable:
+    """A zero-argument call of ``fn(consts, x)`` that takes the next of ``xs`` each time (so
+    consecutive calls do not find their inputs' working set in L2)."""
+    state = {"i": 0}
+
+    def call():
+        state["i"] += 1
+        return fn(consts, xs[state["i"] % len(xs)])
+
+    return call
+
+
+def device_busy(fn: Callable, *args, calls: int = 20) -> tuple[float, float] | None:
+    """(GPU seconds per call summed over the kernels and copies it launched, their count per
+    call), recorded by CUPTI through ``torch.profiler`` (process-wide, so JAX's kernels are
+    seen); None without torch or when no device activity was recorded. The floor a step
+    approaches when its launches are captured as a CUDA graph: no host gaps, no loop overhead.
+    """
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    torch.cuda.init()
+    jax.block_until_ready(fn(*args))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+    us, count = 0.0, 0
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", None)
+        if t is None:
+            t = getattr(ev, "self_cuda_time_total", 0.0)
+        if t > 0:
+            us += t
+            count += ev.count
+    if count == 0:
+        return None
+    return us * 1e-6 / calls, count / calls
 
 
 def time_torch(fn: Callable) -> float:

@@ -44,7 +44,14 @@ import atlas_jax as aj  # noqa: E402
 from atlas_jax.config import Format, MoEConfig  # noqa: E402
 from atlas_jax.moe.params import MoEParams  # noqa: E402
 from atlas_jax.quant import QTensor, quantize  # noqa: E402
-from benchmarks._common import hbm_copy_bandwidth, table, time_jax, time_scan  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    device_busy,
+    hbm_copy_bandwidth,
+    rotating,
+    table,
+    time_jax,
+    time_scan,
+)
 from pallas_kernels._device import device_kind, device_sm_count  # noqa: E402
 from pallas_kernels.moe_decode import (  # noqa: E402
     MoEDecodeConfig,
@@ -147,17 +154,6 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def rotating(fn, params, xs):
-    """A zero-argument step that feeds ``fn`` the next input set each call."""
-    state = {"i": 0}
-
-    def step():
-        state["i"] += 1
-        return fn(params, xs[state["i"] % len(xs)])
-
-    return step
-
-
 # ---------------------------------------------------------------------------------------------
 # step 1: correctness on the device
 # ---------------------------------------------------------------------------------------------
@@ -230,14 +226,18 @@ def _check_moe_forward(tiny: bool) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _time(kernels, params, xs, loops, host: bool = False):
-    """Device seconds per full decode step (``time_scan``), or with ``host`` seconds per call
-    dispatched from Python one step at a time (what an un-captured loop pays); errors (e.g. out
-    of memory) come back as text for the table."""
+def _time(kernels, params, xs, loops, host: bool = False, busy: bool = False):
+    """Seconds per full decode step inside one jitted scan (``time_scan``); with ``host``
+    seconds per call dispatched from Python one step at a time (what an un-captured loop pays);
+    with ``busy`` (seconds, launches) of GPU activity per step (``device_busy``). Errors (e.g.
+    out of memory) come back as text for the table."""
     try:
-        if host:
-            step = jax.jit(functools.partial(aj.moe_forward, kernels=kernels))
-            return time_jax(rotating(step, params, xs), iters=20, repeats=5, warmup=2), None
+        if host or busy:
+            step = rotating(jax.jit(functools.partial(aj.moe_forward, kernels=kernels)),
+                            params, xs)
+            if busy:
+                return device_busy(step), None
+            return time_jax(step, iters=20, repeats=5, warmup=2), None
         step = functools.partial(aj.moe_forward, kernels=kernels)
         return time_scan(step, params, xs, loops=loops), None
     except Exception as err:  # report in the table, do not hide
@@ -268,6 +268,10 @@ def bench(shapes, formats, token_counts, *, hbm: float, loops: int,
                            bound_us=(nbytes / hbm + 10e-6) * 1e6)
                 th, err = _time(PALLAS, p, xs, loops, host=True)
                 row["host_us"] = th * 1e6 if th else err
+                busy, err = _time(PALLAS, p, xs, loops, busy=True)
+                if busy:
+                    row.update(busy_us=busy[0] * 1e6, launches=busy[1],
+                               busy_frac_hbm=nbytes / busy[0] / hbm)
                 if name in peer_formats:
                     for label, kc in (("ragged_dot", RAGGED_DOT), ("xla_decode", XLA_DECODE)):
                         # the XLA paths take 0.1-30 ms a step: fewer loops
@@ -275,6 +279,9 @@ def bench(shapes, formats, token_counts, *, hbm: float, loops: int,
                         row[f"{label}_us"] = tp * 1e6 if tp else err
                         if tp:
                             row[f"vs_{label}"] = tp / t
+                        pb, _ = _time(kc, p, xs, 1, busy=True)
+                        if pb and busy:
+                            row[f"busy_vs_{label}"] = pb[0] / busy[0]
                 rows.append(row)
                 print(table([row], list(row)), flush=True)
             del p
@@ -435,7 +442,7 @@ def main() -> None:
                                ["bf16", "nvfp4", "mxfp4", "fp8"])
     token_counts = args.tokens or ((1, 2, 3) if args.tiny else
                                    (1, 8, 64) if args.quick else TOKENS)
-    loops = 1 if args.tiny else 4
+    loops = 1 if args.tiny else 8
     device = jax.devices()[0]
     lines = [f"## moe_decode ({datetime.date.today()}, {device.device_kind}, jax "
              f"{jax.__version__}{', interpret mode' if not on_gpu else ''})", ""]
@@ -450,12 +457,16 @@ def main() -> None:
     hbm = hbm_copy_bandwidth(0.0625 if args.tiny else 4.0)
     peer_formats = [] if args.no_peers else (args.peer_formats or formats)
     rows = bench(shapes, formats, token_counts, hbm=hbm, loops=loops, peer_formats=peer_formats)
-    cols = ["shape", "format", "tokens", "experts", "MB", "us", "bound_us", "host_us", "GBps",
-            "frac_hbm", "ragged_dot_us", "vs_ragged_dot", "xla_decode_us", "vs_xla_decode"]
+    cols = ["shape", "format", "tokens", "experts", "MB", "us", "bound_us", "host_us", "busy_us",
+            "launches", "GBps", "frac_hbm", "busy_frac_hbm", "ragged_dot_us", "vs_ragged_dot",
+            "busy_vs_ragged_dot", "xla_decode_us", "vs_xla_decode", "busy_vs_xla_decode"]
     lines += [f"HBM copy {hbm / 1e12:.2f} TB/s (measured in this run). Full moe_forward decode "
-              "steps, device time per step inside one jitted scan (`us`; `host_us`: one jitted "
-              "call per step from Python, dispatch included); MB = weight bytes of the distinct "
-              "selected experts plus the shared expert; bound = MB / HBM + 10 us.", "",
+              "steps: `us` per step inside one jitted scan; `host_us` one jitted call per step "
+              "from Python, dispatch included; `busy_us` the GPU time of the step's kernels and "
+              "copies (CUPTI via torch.profiler; `launches` per step), the floor of a CUDA-graph "
+              "replay; busy_vs_* the same ratio for the peers' busy time; MB = weight bytes of "
+              "the distinct selected experts plus the shared expert; bound = MB / HBM + 10 us.",
+              "",
               table(rows, cols), ""]
     if not args.no_shared:
         shrows = bench_shared(shapes, formats, token_counts, hbm=hbm, loops=loops)

@@ -49,7 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import (  # noqa: E402
     dense_matmul_rate,
+    device_busy,
     hbm_copy_bandwidth,
+    rotating,
     scan_program,
     table,
     time_jax,
@@ -266,10 +268,18 @@ def bench(cases) -> tuple[list[dict], float]:
                    host_us=t_host * 1e6, kv_MB=kv_bytes / 1e6, GBps=kv_bytes / t / 1e9,
                    frac_hbm=kv_bytes / t / hbm, tok_per_s=b / t, xla_ref_us=t_ref * 1e6,
                    rel_err=err)
+        busy = device_busy(rotating(jax.jit(ours_step(dtype, d)), cache, xs))
+        if busy:
+            row.update(busy_us=busy[0] * 1e6, launches=busy[1],
+                       busy_frac_hbm=kv_bytes / busy[0] / hbm)
         if dtype == "bf16":
             try:
                 t_jax = time_scan(jax_step, jax_consts(cache), jax_queries(xs, d), loops=loops)
                 row.update(jax_us=t_jax * 1e6, vs_jax=t_jax / t)
+                jax_busy = device_busy(rotating(jax.jit(jax_step), jax_consts(cache),
+                                                jax_queries(xs, d)))
+                if jax_busy and busy:
+                    row["busy_vs_jax"] = jax_busy[0] / busy[0]
             except Exception as e:  # report, do not hide
                 row["jax_us"] = short_err(e)
         rows.append(row)
@@ -665,11 +675,14 @@ def main() -> None:
     parts = []
     if not args.prefill:
         rows, hbm = bench(QUICK if args.quick else CASES)
-        cols = ["B", "ctx", "heads", "D", "kv", "us", "host_us", "kv_MB", "GBps", "frac_hbm",
-                "tok_per_s", "jax_us", "vs_jax", "xla_ref_us", "rel_err"]
+        cols = ["B", "ctx", "heads", "D", "kv", "us", "host_us", "busy_us", "launches", "kv_MB",
+                "GBps", "frac_hbm", "busy_frac_hbm", "tok_per_s", "jax_us", "vs_jax",
+                "busy_vs_jax", "xla_ref_us", "rel_err"]
         parts += [f"## paged_attention decode ({device}, page {PAGE})", "",
                   f"HBM copy {hbm / 1e12:.2f} TB/s (measured in this run). {method}; host_us: "
-                  "ours with one host dispatch per call (`time_jax`).", "",
+                  "ours with one host dispatch per call (`time_jax`); busy_us: the GPU time of our "
+                  "step's kernels (CUPTI via torch.profiler; `launches` per step), the floor of a "
+                  "CUDA-graph replay; busy_vs_jax: JAX's kernel's busy time over ours.", "",
                   table(rows, cols), ""]
     if args.decode:
         _emit("\n".join(parts), args.out)
