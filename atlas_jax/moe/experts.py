@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from atlas_jax import ops
-from atlas_jax.config import Backend, GateUpLayout, KernelConfig, MoEConfig
+from atlas_jax.config import Backend, Format, GateUpLayout, KernelConfig, MoEConfig
 from atlas_jax.moe.dispatch import combine, permute, unpermute
 from atlas_jax.moe.params import MoEParams
 from atlas_jax.moe.routing import Routing
@@ -54,17 +54,34 @@ def dense_mlp(x: jax.Array, gate_up: QTensor, down: QTensor, cfg: MoEConfig) -> 
                       preferred_element_type=jnp.float32)
 
 
+# Shared-expert formats and token counts for which the decode kernels beat XLA's dense path
+# (H200, DeepSeek-V3 shared expert 7168 x 2048, benchmarks/moe_decode.py, 2026-12-01; us):
+#   NVFP4 1-8 tokens: kernels 109-121 vs dense 146-157; MXFP4 1-3: 139-146 vs 151-152, 8:
+#   150 vs 142; BF16: 47-53 vs 39-50 (no gain); FP8: 104-113 vs 90-103 (no gain); every
+#   format at 32-64 tokens: the kernels re-read the weights per 16-row chunk (83-578 vs 43-157).
+SHARED_KERNEL_FORMATS = (Format.NVFP4, Format.MXFP4)
+SHARED_KERNEL_MAX_TOKENS = 8
+
+
+def shared_expert_uses_kernels(shared: QTensor, num_tokens: int) -> bool:
+    """Whether a decode step runs the shared expert through the decode kernels (where that
+    measured faster than XLA's dense path, which first writes a dequantized copy to HBM)."""
+    return (shared.format in SHARED_KERNEL_FORMATS
+            and num_tokens <= SHARED_KERNEL_MAX_TOKENS)
+
+
 def shared_experts(params: MoEParams, x: jax.Array, kernels: KernelConfig | None = None, *,
                    decode: bool = False) -> jax.Array:
     """Shared expert output, gated by sigmoid(x . w_gate) where the config has a gate.
 
     ``decode`` with the Pallas decode kernels chosen (``ops.moe_decode``'s backend for the
-    shared weights): the shared expert runs through those kernels as a one-expert stack that
-    every token selects, reading its quantized weights once; XLA's dense path would first write
-    a dequantized copy of a quantized shared expert. Otherwise XLA's dense path."""
+    shared weights) and ``shared_expert_uses_kernels``: the shared expert runs through those
+    kernels as a one-expert stack that every token selects, reading its quantized weights once.
+    Otherwise XLA's dense path."""
     cfg = params.config
     gu, dn = params.shared_gate_up, params.shared_down
-    if decode and ops.moe_decode_backend(gu, dn, kernels) is Backend.PALLAS:
+    if (decode and shared_expert_uses_kernels(gu, x.shape[0])
+            and ops.moe_decode_backend(gu, dn, kernels) is Backend.PALLAS):
         ids = jnp.zeros((x.shape[0], 1), jnp.int32)
         y = ops.moe_decode(x, ids, gu.stacked(), dn.stacked(),
                            epilogue=GateUp.of(cfg, GateUpLayout.CONCATENATED),
