@@ -214,7 +214,8 @@ def mgpu_ragged_dot(n: int):
     return lambda x, w, group_sizes: f(x, w, group_sizes=group_sizes)
 
 
-def bench(token_counts: list[int], shapes: list[str], all_formats: bool = False
+def bench(token_counts: list[int], shapes: list[str], all_formats: bool = False,
+          ops: tuple[str, ...] = ("gate_up", "down")
           ) -> tuple[list[dict], dict]:
     import time
 
@@ -224,6 +225,8 @@ def bench(token_counts: list[int], shapes: list[str], all_formats: bool = False
     for shape in shapes:
         h, inter, e, k = SHAPES[shape]
         for op, (n, kdim) in (("gate_up", (2 * inter, h)), ("down", (h, inter))):
+            if op not in ops:
+                continue
             for tokens in token_counts:
                 formats = (FORMATS if tokens == 4096 or all_formats
                            else ["bf16", "bf16_mosaic", "nvfp4"])
@@ -296,6 +299,8 @@ def main() -> None:
                         help="every format at every token count (default: all at 4096 only)")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--ops", nargs="+", default=["gate_up", "down"],
+                        choices=["gate_up", "down"])
     parser.add_argument("--out", type=Path, help="write the markdown tables here")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
@@ -312,7 +317,7 @@ def main() -> None:
         if bad:
             print(f"{len(bad)} correctness failures", flush=True)
     tokens = args.tokens or ([4096] if args.quick else [512, 4096, 16384])
-    rows, ceilings = bench(tokens, args.shapes, args.all_formats)
+    rows, ceilings = bench(tokens, args.shapes, args.all_formats, tuple(args.ops))
     cols = ["shape", "op", "tokens", "format", "us", "tflops", "torch_tflops", "vs_torch",
             "mgpu_tflops", "vs_mgpu", "ragged_dot_tflops", "frac_dense"]
     lines += [f"HBM copy {ceilings['hbm'] / 1e12:.2f} TB/s, dense bf16 matmul "
