@@ -101,6 +101,51 @@ def fp4_to_f16_scaled(packed, inline_asm: bool):
     return e2m1_to_f16_scaled(codes), e2m1_to_f16_scaled(codes >> 4)
 
 
+# NVFP4 / MXFP4 nibbles, four packed bytes per instance ($2, 32 bits) -> four f16 ``e2m1 *
+# 2^-14`` in two registers ($0: bytes 0-1, $1: bytes 2-3), of the low nibbles (``_LO``) or the
+# high nibbles (``_HI``). The bit placement is done on all four bytes at once (SIMD within the
+# register: no shift or mask crosses a byte), giving per byte ``H = sign << 7 | mag << 1``, the
+# high byte of the f16 (its low byte is 0); two ``prmt`` then put bytes 0, 1 (2, 3) of H into
+# the high bytes of the two 16-bit lanes. 5-6 ops per four values, against 9 per two bytes'
+# worth (four values) in ``_FP4_TO_F16_ASM``. $3 is the same guard as ``_FP8_TO_F16_ASM``'s
+# (below): without it Triton moved the conversion into the MMA-operand layout and the packed
+# bytes were read from shared memory two at a time and re-packed with a ``prmt`` per byte,
+# which cost more than the ``_FP4_TO_F16_ASM`` form (offline sm_90 build of the MoE decode
+# kernel); with it, 16-byte shared loads, and the f16 operand reaches the MMA layout through
+# ``ldmatrix``.
+_FP4X4_TO_F16_LO_ASM = """{
+.reg .b32 a, b, h;
+shl.b32 a, $2, 4; and.b32 a, a, 0x80808080;
+shl.b32 b, $2, 1; and.b32 b, b, 0x0E0E0E0E;
+or.b32 h, a, b;
+prmt.b32 $0, h, 0, 0x1404;
+prmt.b32 $1, h, 0, 0x3424;
+}"""
+_FP4X4_TO_F16_HI_ASM = """{
+.reg .b32 a, b, h;
+and.b32 a, $2, 0x80808080;
+shr.b32 b, $2, 3; and.b32 b, b, 0x0E0E0E0E;
+or.b32 h, a, b;
+prmt.b32 $0, h, 0, 0x1404;
+prmt.b32 $1, h, 0, 0x3424;
+}"""
+
+
+def fp4x4_to_f16_scaled(packed, inline_asm: bool):
+    """``fp4_to_f16_scaled`` (the same values) with four bytes per PTX instance and the guard
+    operand that keeps the conversion before the change to the MMA-operand layout (the MoE
+    decode kernel). ``packed``: uint8 ``[r, c]``. ``inline_asm=False``: the jnp twin."""
+    if not inline_asm:
+        return fp4_to_f16_scaled(packed, False)
+    out = jax.ShapeDtypeStruct(packed.shape, jnp.float16)
+    rows = jnp.arange(packed.shape[0], dtype=jnp.int32).astype(jnp.uint8)
+    guard = jnp.broadcast_to(rows[:, None], packed.shape)
+    return tuple(
+        plgpu.elementwise_inline_asm(asm, args=[packed, guard], constraints="=r,=r,r,r",
+                                     pack=4, result_shape_dtypes=[out])[0]
+        for asm in (_FP4X4_TO_F16_LO_ASM, _FP4X4_TO_F16_HI_ASM))
+
+
 # E4M3 values (FP8 KV pages), converted in registers right after the load. Four bytes per
 # instance in one 32-bit register ($2) -> four f16 in two ($0: bytes 0-1, $1: bytes 2-3), one
 # packed ``cvt.rn.f16x2.e4m3x2`` per half (``mov.b32 {lo, hi}`` splits the register for free:

@@ -69,6 +69,42 @@ def test_fp4_asm_bit_logic_all_byte_pairs():
         np.testing.assert_array_equal(got, _bits16(twin))
 
 
+def _prmt(h, sel):
+    """PTX ``prmt.b32 d, h, 0, sel`` (default mode, selectors < 8): byte i of d is byte
+    ``sel >> 4i & 7`` of the pair (h: bytes 0-3, 0: bytes 4-7)."""
+    out = np.zeros_like(h)
+    for i in range(4):
+        src = (sel >> (4 * i)) & 7
+        byte = (h >> (8 * src)) & 0xFF if src < 4 else np.zeros_like(h)
+        out |= byte << (8 * i)
+    return out
+
+
+def test_fp4x4_asm_bit_logic():
+    """The four-byte PTX emulated on words of four bytes (element i in byte i; every byte value
+    in every position, next to every other): the same bits as the jnp twin."""
+    lo_asm, hi_asm = dq._FP4X4_TO_F16_LO_ASM, dq._FP4X4_TO_F16_HI_ASM
+    for asm in (lo_asm, hi_asm):
+        assert "prmt.b32 $0, h, 0, 0x1404;" in asm and "prmt.b32 $1, h, 0, 0x3424;" in asm
+    assert "shl.b32 a, $2, 4; and.b32 a, a, 0x80808080;" in lo_asm
+    assert "shl.b32 b, $2, 1; and.b32 b, b, 0x0E0E0E0E;" in lo_asm
+    assert "and.b32 a, $2, 0x80808080;" in hi_asm
+    assert "shr.b32 b, $2, 3; and.b32 b, b, 0x0E0E0E0E;" in hi_asm
+    pair = np.arange(1 << 16, dtype=np.uint64)
+    rng = np.random.default_rng(0)
+    other = rng.integers(0, 1 << 16, size=pair.shape, dtype=np.uint64)
+    m = np.uint64(0xFFFFFFFF)
+    for w in (pair | (other << 16), other | (pair << 16)):  # [65536] words
+        elems = np.stack([(w >> (8 * i)) & 0xFF for i in range(4)], axis=1).astype(np.uint8)
+        twins = dq.fp4x4_to_f16_scaled(jnp.asarray(elems), False)
+        h_lo = (((w << 4) & m) & 0x80808080) | (((w << 1) & m) & 0x0E0E0E0E)
+        h_hi = (w & 0x80808080) | ((w >> 3) & 0x0E0E0E0E)
+        for h, twin in ((h_lo, twins[0]), (h_hi, twins[1])):
+            regs = np.stack([_prmt(h, 0x1404), _prmt(h, 0x3424)], axis=1).astype(np.uint32)
+            got = regs.astype("<u4").view("<u2").reshape(-1, 4)  # lane 0 = low half
+            np.testing.assert_array_equal(got, _bits16(twin))
+
+
 @pytest.mark.parametrize("dot_dtype", [np.float16, ml_dtypes.bfloat16])
 def test_nvfp4_f16_products_exact(dot_dtype):
     """The module's claim: ``f16(e2m1 * 2^-14) * f16(e4m3 scale)`` rounds nowhere, for every

@@ -27,7 +27,8 @@ registers with the grouped matmul's helpers: FP8 block scales multiply each step
 (``block_k`` divides the scale block), NVFP4 / MXFP4 scales multiply the E2M1 values; the NVFP4
 global scale (per row segment) multiplies the accumulator once. FP4 tiles are not interleaved:
 the low nibbles (even k) and high nibbles (odd k) are two ``[bn, bk/2]`` operands, dotted with
-the even and odd columns of the activations (gathered as such; they are tiny). With
+the even and odd columns of the activations (16-bit activations: one load of a
+uint32 view ``[rows, K/2]``, split into its halves). With
 ``DecodeTile.f16_dot`` (FP8_BLOCK, NVFP4) the dot operands are f16: e4m3 -> f16 is exact and one
 conversion per two values on sm_90, NVFP4 codes become ``e2m1 * 2^-14`` by bit placement (in
 PTX on the GPU, two values per 32-bit op; the 2^14 goes into the global scale); each activation
@@ -52,7 +53,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._dequant import F16_FP4_FACTOR as _F16_NVFP4_FACTOR
 from pallas_kernels._dequant import e2m1_to_f32 as _e2m1_to_f32
 from pallas_kernels._dequant import e8m0_to_f32 as _e8m0_to_f32
-from pallas_kernels._dequant import fp4_to_f16_scaled as _fp4_to_f16_scaled
+from pallas_kernels._dequant import fp4x4_to_f16_scaled as _fp4x4_to_f16_scaled
+from pallas_kernels._dequant import fp8_to_f16 as _fp8_to_f16
 from pallas_kernels._device import device_kind, device_sm_count
 from pallas_kernels._offsets import check_offsets, pair_view_if_overflowing
 from pallas_kernels.grouped_matmul.config import (
@@ -210,6 +212,9 @@ class _Static:
     compute_dtype: jnp.dtype  # dot operand dtype
     inline_asm: bool  # GPU: NVFP4 f16 unpack in PTX (interpret mode: the same in jnp)
     w_pairs: bool  # w_ref is the uint16 view of 1-byte weights (pallas_kernels._offsets)
+    a_pairs: bool = False  # FP4: a_ref is the uint32 view [rows, K/2] of 16-bit activations
+    #   (k = 2j low half, 2j + 1 high half): the even / odd K columns of a step in one
+    #   contiguous load, instead of two stride-2 gathers that Triton reads element by element
 
 
 def expert_matmul_kernel(
@@ -298,6 +303,8 @@ def expert_matmul_kernel(
                 b0, b1 = st.fp8_block
                 s_at = scale_ref.at[e, div(orig_rows(h), b0), div(kb * bk, b1)]
                 s = masked_load(s_at, col_mask if n_ragged else None)  # [bn] f32
+                if st.f16_dot:  # PTX with a guard operand: converted before the layout
+                    return (_fp8_to_f16(w, st.inline_asm),), s  # change (16-byte shared loads)
                 return (w.astype(dot_dtype),), s  # e4m3 -> f16 / bf16: exact
             case WeightFormat.NVFP4 | WeightFormat.MXFP4:
                 group = NVFP4_GROUP if st.fmt is WeightFormat.NVFP4 else MXFP4_GROUP
@@ -308,7 +315,7 @@ def expert_matmul_kernel(
                 raw_s = masked_load(w_at(scale_ref, h, sc[None, :]), n_mask, s_mask)
                 if st.f16_dot:  # NVFP4 only: e2m1 * 2^-14 * f16(e4m3 scale), exact
                     s = _repeat_cols(raw_s.astype(jnp.float16), group // 2)  # [bn, bk/2]
-                    lo, hi = _fp4_to_f16_scaled(codes, st.inline_asm)
+                    lo, hi = _fp4x4_to_f16_scaled(codes, st.inline_asm)
                     return (lo * s, hi * s), None
                 codes = codes.astype(jnp.int32)
                 if st.fmt is WeightFormat.NVFP4:
@@ -335,21 +342,36 @@ def expert_matmul_kernel(
         h = _epilogue(part(0), part(1), st.prologue, st.limit, st.alpha)
         return h.astype(st.h_dtype)  # as the unsplit gate_up stores it
 
+    def a_tiles(src, row_mask, kb):
+        """The activation tiles of one K step, one per column set (``col_sets``)."""
+        if not st.a_pairs:
+            return [a_tile(src, row_mask, kb, cs) for cs in col_sets]
+        kc = kb * (bk // 2) + kk  # pairs of K columns (2j, 2j + 1)
+        mask = row_mask[:, None] & (kc < st.k // 2)[None, :] if k_ragged else row_mask[:, None]
+        pairs = plgpu.load(a_ref.at[_grid(src, kc)], mask=mask, other=0)  # [bm, bk/2] u32
+        return [jax.lax.bitcast_convert_type(half.astype(jnp.uint16), st.compute_dtype)
+                for half in (pairs & 0xFFFF, pairs >> 16)]
+
     def row_scales(src, row_mask):
         """f16 dots: powers of two ``(up, down)`` [bm] with ``amax * up`` in [2^10, 2^11) over
         each row's whole K (a pre-pass over the chunk's rows, from L2), so that the K loop
         only multiplies and the accumulator is scaled back once."""
 
         def body(kb, m):
-            t = a_tile(src, row_mask, kb, jnp.arange(bk, dtype=jnp.int32))
-            return jnp.maximum(m, jnp.max(jnp.abs(t.astype(jnp.float32)), axis=1))
+            if st.a_pairs:
+                tiles = a_tiles(src, row_mask, kb)
+            else:
+                tiles = [a_tile(src, row_mask, kb, jnp.arange(bk, dtype=jnp.int32))]
+            for t in tiles:
+                m = jnp.maximum(m, jnp.max(jnp.abs(t.astype(jnp.float32)), axis=1))
+            return m
 
         amax = jax.lax.fori_loop(kb_lo, kb_hi, body, jnp.zeros((bm,), jnp.float32))
         return _pow2_row_scales(amax)
 
     def load_a(src, row_mask, kb, up):
         """One K step of the rows ``src`` [bm]: dot operands per column set [bm, bk(/2)]."""
-        tiles = [a_tile(src, row_mask, kb, cs) for cs in col_sets]
+        tiles = a_tiles(src, row_mask, kb)
         if up is None:
             return tuple(t.astype(st.compute_dtype) for t in tiles)
         return tuple((t.astype(jnp.float32) * up[:, None]).astype(jnp.float16) for t in tiles)
@@ -371,11 +393,11 @@ def expert_matmul_kernel(
             new = []
             for h, acc in enumerate(accs):
                 w_tiles, w_s = load_w(h, kb)
-                part = functools.reduce(
-                    jnp.add, [dot(w, a) for w, a in zip(w_tiles, a_tiles, strict=True)])
+                dots = [dot(w, a) for w, a in zip(w_tiles, a_tiles, strict=True)]
                 if w_s is not None:
-                    part = part * per_col(w_s)
-                new.append(acc + part)
+                    new.append(acc + functools.reduce(jnp.add, dots) * per_col(w_s))
+                else:  # acc + dot, one at a time: each add folds into the MMA's accumulator
+                    new.append(functools.reduce(jnp.add, dots, acc))
             return tuple(new)
 
         zeros = jnp.zeros((bn, bm) if st.swap_ab else (bm, bn), jnp.float32)
@@ -556,7 +578,11 @@ def _launch(a, plan, wts: _Weights, *, fmt, halves, layout, activation, prologue
         block_n=tile.block_n, block_k=tile.block_k, swap_ab=tile.swap_ab,
         f16_dot=tile.f16_dot, fp8_block=tuple(block_size), global_rows=wts.global_rows,
         compute_dtype=h_dtype if prologue is not None else jnp.dtype(a.dtype),
-        inline_asm=not interpret, w_pairs=w_pairs)
+        inline_asm=not interpret, w_pairs=w_pairs,
+        a_pairs=(fmt in (WeightFormat.NVFP4, WeightFormat.MXFP4) and prologue is None
+                 and jnp.dtype(a.dtype).itemsize == 2))
+    if st.a_pairs:
+        a = jax.lax.bitcast_convert_type(a.reshape(a.shape[0], k // 2, 2), jnp.uint32)
     check_offsets(dict(a=a, w=w, scale=scale, global_scale=wts.global_scale, bias=bias))
     return _expert_matmul_pallas(
         plan.work, plan.token_of_row if st.gather_rows else None, a, w, scale,
