@@ -617,6 +617,8 @@ LOWERING_VARIANTS = [
     (KVDtype.BF16, 256, 3, 32, 4, 16, dict(sinks=True), DecodeConfig(4, 1, 8, 2)),
     (KVDtype.NVFP4, 512, 2, 32, 4, 16, dict(sinks=True), DecodeConfig(2, 2, 8, 2)),
     (KVDtype.FP8, 64, 1, 8, 8, 32, {}, None),  # heuristic config, MHA
+    # the heuristic's B=1 32k split count (66): not a power of two
+    (KVDtype.BF16, 128, 1, 32, 4, 16, dict(sinks=True), DecodeConfig(8, 66, 4, 2)),
     # FP8 V (and K) converted with inline PTX after the load (DecodeConfig.v_convert / k_convert)
     (KVDtype.FP8, 128, 1, 32, 4, 16, {}, DecodeConfig(8, 3, 4, 4, v_convert="asm")),
     (
