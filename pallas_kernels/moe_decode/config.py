@@ -167,12 +167,12 @@ def choose_tile(
     instruction count in the same SASS comparison).
 
     ``few_tokens`` (1..3 tokens): ``block_n`` stops at 64 for BF16 too, unsplit. Measured on
-    the H200 (Qwen3-30B-A3B, 1 token, kernels alone): 54.7 us against 63.7 us for 32-wide
-    tiles; splitting K (``split_k`` 2-4, gate_up partials activated in down's prologue) was
-    slower at 1-3 tokens (62-89 us), so the heuristic leaves ``split_k`` at 1; it stays a
-    tunable. ``prologue_splits``: the down kernel after a gate_up split that many ways reads
-    f32 gate and up partials (``2 * 4 * splits`` bytes per activation element) instead of
-    ``x_itemsize``; the shared-memory stages count them.
+    the H200 (Qwen3-30B-A3B, 1 token, kernels alone, device time in a jitted scan): 39.8 us
+    against 42.4 us for 32-wide tiles; splitting K (``split_k`` 2-4, gate_up partials
+    activated in down's prologue) was slower at 1-3 tokens (61-144 us), so the heuristic
+    leaves ``split_k`` at 1; it stays a tunable. ``prologue_splits``: the down kernel after a
+    gate_up split that many ways reads f32 gate and up partials (``2 * 4 * splits`` bytes per
+    activation element) instead of ``x_itemsize``; the shared-memory stages count them.
     """
     fmt = WeightFormat.coerce(fmt)
     match fmt:
