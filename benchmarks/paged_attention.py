@@ -88,7 +88,9 @@ SCALE_NAMES = ("k_scale", "v_scale", "k_global_scale", "v_global_scale")
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
-def _make_cache(key, b: int, ctx: int, hk: int, d: int, dtype: str) -> dict:
+def make_cache(key, b: int, ctx: int, hk: int, d: int, dtype: str) -> dict:
+    """Random pages (never zeros), scattered block tables and every sequence at ``ctx``:
+    ``k_pages``, ``v_pages``, the dtype's scale arrays, ``block_tables``, ``seq_lens``."""
     pages_per_seq = -(-ctx // PAGE)
     n = b * pages_per_seq + 7
     kk, kv, kp = jax.random.split(key, 3)
@@ -112,15 +114,9 @@ def _make_cache(key, b: int, ctx: int, hk: int, d: int, dtype: str) -> dict:
                 seq_lens=jnp.full((b,), ctx, jnp.int32))
 
 
-def make_cache(key, b: int, ctx: int, hk: int, d: int, dtype: str) -> dict:
-    """Random pages (never zeros), scattered block tables and every sequence at ``ctx``:
-    ``k_pages``, ``v_pages``, the dtype's scale arrays, ``block_tables``, ``seq_lens``."""
-    return _make_cache(key, b, ctx, hk, d, dtype)
-
-
 def cache_spec(b: int, ctx: int, hk: int, d: int, dtype: str) -> dict:
     """``make_cache``'s shapes and dtypes (no device memory): what the compiles need."""
-    return jax.eval_shape(lambda k: _make_cache(k, b, ctx, hk, d, dtype), jax.random.key(0))
+    return jax.eval_shape(lambda k: make_cache(k, b, ctx, hk, d, dtype), jax.random.key(0))
 
 
 def cache_bytes(b: int, ctx: int, hk: int, d: int, dtype: str) -> int:
@@ -149,21 +145,17 @@ def queries(key, b: int, hq: int, d: int, n: int = NUM_Q) -> list[jax.Array]:
 def ours_step(dtype: str, d: int, config: DecodeConfig | None = None):
     """Our kernel as a ``time_scan`` step; every array comes from the consts (no closures over
     device arrays: those would be baked into the program as constants)."""
-
-    def step(c, q):
-        scales = {k: c[k] for k in SCALE_NAMES if k in c}
-        return paged_decode(q, c["k_pages"], c["v_pages"], c["block_tables"], c["seq_lens"],
-                            kv_dtype=dtype, scale=d**-0.5, config=config, interpret=SMOKE,
-                            **scales)
-
-    return step
+    return _decode_step(paged_decode, dtype, d, config=config, interpret=SMOKE)
 
 
 def ref_step(dtype: str, d: int):
+    return _decode_step(paged_decode_reference, dtype, d)
+
+
+def _decode_step(fn, dtype: str, d: int, **extra):
     def step(c, q):
-        scales = {k: c[k] for k in SCALE_NAMES if k in c}
-        return paged_decode_reference(q, c["k_pages"], c["v_pages"], c["block_tables"],
-                                      c["seq_lens"], kv_dtype=dtype, scale=d**-0.5, **scales)
+        return fn(q, c["k_pages"], c["v_pages"], c["block_tables"], c["seq_lens"],
+                  **kernel_kwargs(c, dtype, d), **extra)
 
     return step
 
@@ -208,10 +200,6 @@ def scan_loops(kv_bytes: float, per_call_us: float = 2000.0) -> int:
     time (at ~4 TB/s), 1..8 passes over the ``NUM_Q`` query sets (fewer for long cases)."""
     est_us = kv_bytes / 4e12 * 1e6 + 5.0
     return int(min(8, max(1, math.ceil(per_call_us / est_us / NUM_Q))))
-
-
-def _spec(tree):
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
 
 @dataclasses.dataclass

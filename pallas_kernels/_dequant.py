@@ -138,8 +138,7 @@ def fp4x4_to_f16_scaled(packed, inline_asm: bool):
     if not inline_asm:
         return fp4_to_f16_scaled(packed, False)
     out = jax.ShapeDtypeStruct(packed.shape, jnp.float16)
-    rows = jnp.arange(packed.shape[0], dtype=jnp.int32).astype(jnp.uint8)
-    guard = jnp.broadcast_to(rows[:, None], packed.shape)
+    guard = _guard(packed.shape)
     return tuple(
         plgpu.elementwise_inline_asm(asm, args=[packed, guard], constraints="=r,=r,r,r",
                                      pack=4, result_shape_dtypes=[out])[0]
@@ -172,9 +171,14 @@ def fp8_to_f16(x, inline_asm: bool):
     if not inline_asm:
         return x.astype(jnp.float16)
     out = jax.ShapeDtypeStruct(x.shape, jnp.float16)
-    rows = jnp.arange(x.shape[0], dtype=jnp.int32).astype(jnp.uint8)
-    guard = jnp.broadcast_to(rows[:, None], x.shape)
     bits = jax.lax.bitcast_convert_type(x, jnp.uint8)
     return plgpu.elementwise_inline_asm(
-        _FP8_TO_F16_ASM, args=[bits, guard], constraints="=r,=r,r,r", pack=4,
+        _FP8_TO_F16_ASM, args=[bits, _guard(x.shape)], constraints="=r,=r,r,r", pack=4,
         result_shape_dtypes=[out])[0]
+
+
+def _guard(shape) -> jax.Array:
+    """The unused last operand of the guarded conversions above: uint8 row indices broadcast
+    along the columns (a broadcast Triton does not hoist a layout change past)."""
+    rows = jnp.arange(shape[0], dtype=jnp.int32).astype(jnp.uint8)
+    return jnp.broadcast_to(rows[:, None], shape)

@@ -136,7 +136,8 @@ class DecodeConfig(_LaunchConfig):
     # operand. "cast": Triton's own conversion, which it sinks past the change to the MMA
     # operand layout (V then reaches that layout as bytes, read one at a time: no 8-bit
     # ldmatrix.trans on sm_90). "asm": inline PTX ``cvt.rn.f16x2.e4m3x2`` right after the load
-    # (``_dequant.fp8_to_f16``), so the layout change moves 16-bit data. An experiment.
+    # (``_dequant.fp8_to_f16``), so the layout change moves 16-bit data. An experiment: it
+    # measured slower on the H200 in 24 of 34 FP8 decode-grid cases (B 32 16k 356 vs 316 us).
     v_convert: str = "cast"
     k_convert: str = "cast"
 

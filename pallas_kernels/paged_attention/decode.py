@@ -26,9 +26,10 @@ of V's layout to the MMA operand's (V ``[T, D]`` is the B operand with K = T but
 no 8-bit ``ldmatrix.trans`` on sm_90), so V reaches the MMA layout as bytes read one at a time;
 ``DecodeConfig.v_convert="asm"`` (``k_convert`` for K) instead converts right after the load with
 inline PTX (``_dequant.fp8_to_f16``, with a guard operand Triton does not hoist past) so the
-layout change moves f16
-(offline sm_90 build: no byte-wise shared-memory reads, ``ldmatrix.trans`` instead; 255 -> 168
-registers, loop 1228 -> 986 instructions at B 32, 8 pages a step). NVFP4 codes become f16 by bit
+layout change moves f16 (offline sm_90 build: no byte-wise shared-memory reads,
+``ldmatrix.trans`` instead; 255 -> 168 registers, loop 1228 -> 986 instructions at B 32, 8
+pages a step). On the H200 it measured slower all the same (24 of 34 FP8 grid cases; B 32 16k
+356 vs 316 us), so "cast" stays the default. NVFP4 codes become f16 by bit
 placement, ``((c & 7) << 9) | ((c & 8) << 12)`` = ``e2m1 * 2^-14`` (subnormal codes included;
 ``pallas_kernels._dequant.fp4_to_f16_scaled``: two values per 32-bit op in PTX on the GPU),
 times the f16 block scale: exact (<= 5 significant bits) unless ``e2m1 * scale < 2^-6``, where
