@@ -620,6 +620,17 @@ def _emit(text: str, out: Path | None) -> None:
         out.write_text(text)
 
 
+def _parse_case(text: str, parser) -> tuple:
+    try:
+        b, ctx, hq, hk, d, kv = text.split(",")
+        case = (int(b), int(ctx), int(hq), int(hk), int(d), kv)
+    except ValueError:
+        parser.error(f"--case {text!r}: want B,CTX,HQ,HK,D,KV (e.g. 1,32768,32,4,128,bf16)")
+    if kv not in GRID_KV or case[2] % case[3]:
+        parser.error(f"--case {text!r}: KV one of {GRID_KV}, HQ a multiple of HK")
+    return case
+
+
 def main() -> None:
     global SMOKE
     parser = argparse.ArgumentParser(description=__doc__,
@@ -637,9 +648,13 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny decode cases, grid and sweep in interpret mode (CPU check of "
                              "this script, not a measurement)")
+    parser.add_argument("--case", action="append", metavar="B,CTX,HQ,HK,D,KV",
+                        help="--decode: time this case instead of the default list (repeatable), "
+                             "e.g. 1,32768,32,4,128,bf16")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     SMOKE = args.smoke
+    cases = [_parse_case(c, parser) for c in args.case] if args.case else None
     if jax.default_backend() != "gpu" and not SMOKE:
         sys.exit("benchmarks/paged_attention.py needs a GPU (or --smoke)")
     device = f"{datetime.date.today()}, {jax.devices()[0].device_kind}, jax {jax.__version__}"
@@ -671,7 +686,7 @@ def main() -> None:
         return
     parts = []
     if not args.prefill:
-        rows, hbm = bench(QUICK if args.quick else CASES)
+        rows, hbm = bench(cases or (QUICK if args.quick else CASES))
         cols = ["B", "ctx", "heads", "D", "kv", "us", "host_us", "busy_us", "launches", "kv_MB",
                 "GBps", "frac_hbm", "busy_frac_hbm", "tok_per_s", "jax_us", "vs_jax",
                 "busy_vs_jax", "xla_ref_us", "rel_err"]

@@ -1,0 +1,66 @@
+"""Run one kernel case a few times, for an outside profiler (Nsight Compute) to catch a launch.
+
+    ncu --clock-control none -k regex:paged_decode --launch-skip 2 --launch-count 1 \\
+        python benchmarks/ncu_case.py paged 32 16384 32 4 128 fp8
+    ncu --clock-control none -k regex:moe_decode_gate_up --launch-skip 2 --launch-count 1 \\
+        python benchmarks/ncu_case.py moe qwen3-30b-a3b nvfp4 8
+
+The case is built as in ``paged_attention.py`` / ``moe_decode.py`` (random data, never zeros)
+and run ``--calls`` times, each call synchronized, so the kernels of call 3 on are warm.
+Nothing is timed here: ncu's report is the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import atlas_jax as aj  # noqa: E402
+from benchmarks import moe_decode as md  # noqa: E402
+from benchmarks import paged_attention as pa  # noqa: E402
+
+
+def paged_call(b: int, ctx: int, hq: int, hk: int, d: int, dtype: str):
+    key = jax.random.key(0)
+    cache = pa.make_cache(key, b, ctx, hk, d, dtype)
+    q = pa.queries(key, b, hq, d, n=1)[0]
+    fn = jax.jit(pa.ours_step(dtype, d))
+    return lambda: fn(cache, q)
+
+
+def moe_call(shape: str, fmt: str, tokens: int):
+    params = md.make_layer(shape, md.FORMATS[fmt])
+    x = md.token_sets(tokens, params.config.hidden_size, 1)[0]
+    fn = jax.jit(lambda p, x: aj.moe_forward(p, x, kernels=md.PALLAS))
+    return lambda: fn(params, x)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=5)
+    sub = parser.add_subparsers(dest="kind", required=True)
+    p = sub.add_parser("paged", help="paged decode: B CTX HQ HK D KV")
+    for name in ("b", "ctx", "hq", "hk", "d"):
+        p.add_argument(name, type=int)
+    p.add_argument("kv", choices=pa.GRID_KV)
+    m = sub.add_parser("moe", help="moe_forward decode step: SHAPE FORMAT TOKENS")
+    m.add_argument("shape", choices=list(md.SHAPES))
+    m.add_argument("fmt", choices=list(md.FORMATS))
+    m.add_argument("tokens", type=int)
+    args = parser.parse_args()
+    if args.kind == "paged":
+        call = paged_call(args.b, args.ctx, args.hq, args.hk, args.d, args.kv)
+    else:
+        call = moe_call(args.shape, args.fmt, args.tokens)
+    for _ in range(args.calls):
+        jax.block_until_ready(call())
+
+
+if __name__ == "__main__":
+    main()
