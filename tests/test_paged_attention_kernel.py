@@ -329,9 +329,9 @@ class TestOtherShapes:
         assert_matches(out, ref, KVDtype.FP8)
 
     @pytest.mark.parametrize("num_splits", [17, 40])
-    def test_more_splits_than_one_combine_chunk(self, num_splits):
-        """The combine kernel walks the splits COMBINE_CHUNK at a time: 17 and 40 splits take
-        2 and 3 chunks, the last one partial; Q = 2, sinks, a window (many splits empty)."""
+    def test_many_splits_q2_sinks_window(self, num_splits):
+        """Split counts that are not powers of two and exceed the page steps of most
+        sequences (many splits empty); Q = 2, sinks, a window."""
         args, kw = make_case(13, KVDtype.BF16, q_len=2, group=4, d=64, sinks=True, window=21)
         out = paged_decode(*args, **kw, config=DecodeConfig(2, num_splits),
                            out_dtype=jnp.float32, interpret=True)
@@ -446,6 +446,18 @@ class TestConfig:
     def test_heuristic_large_batch_needs_no_split(self):
         cfg = choose_decode_config(128, 8, 8, 1, 256, 16, 128, KVDtype.BF16, 132)
         assert cfg.num_splits == 1
+
+    @pytest.mark.parametrize(
+        "b,ctx,kv_dtype,splits",
+        [(32, 16384, "fp8", 2), (32, 4096, "fp8", 2), (1, 32768, "fp8", 66),
+         (32, 4096, "bf16", 3), (1, 32768, "bf16", 99), (128, 1024, "bf16", 1)],
+    )
+    def test_heuristic_grid_is_whole_waves(self, b, ctx, kv_dtype, splits):
+        """Programs = splits x B x Hk near a multiple of RESIDENT_PROGRAMS x SMs (the H200
+        cases the rule was measured on); FP8 pages pipeline 2 steps deep."""
+        cfg = choose_decode_config(b, 4, 8, 1, ctx // 16, 16, 128, kv_dtype, 132)
+        assert cfg.num_splits == splits
+        assert cfg.num_stages == 2 or kv_dtype != "fp8"
 
     def test_heuristic_uses_reported_sm_count(self):
         a = choose_decode_config(1, 4, 8, 1, 2048, 16, 128, "bf16", 66)
@@ -685,7 +697,6 @@ class TestTritonLowering:
             )
         text = lowered.as_text()
         assert "__gpu$xla.gpu.triton" in text
-        if config is not None:  # the decode launch, and the combine launch after a split
-            assert text.count("__gpu$xla.gpu.triton") == 1 + (config.num_splits > 1)
+        assert text.count("__gpu$xla.gpu.triton") == 1  # the split combine is XLA's
         asm = config is not None and "asm" in (config.v_convert, config.k_convert)
         assert ("cvt.rn.f16x2.e4m3x2" in text) == asm  # the PTX e4m3 conversion, when chosen

@@ -85,6 +85,13 @@ def _pages_per_step(tokens: int, page_size: int, max_pages: int) -> int:
     return min(pages_per_step, 256)
 
 
+# Programs of the heuristic's tiles an sm_90 SM holds at once, by registers (Nsight Compute on
+# the H200, B32 16k, 4 warps, 128 tokens x D 128 a step): FP8 pages 255 registers a thread ->
+# 2; BF16 156 -> 3 (the default, also taken for the other dtypes). A grid of 1.45 waves (FP8
+# at 3 splits, B32) ran 306 us against 243 us at 2 splits (1 wave).
+RESIDENT_PROGRAMS = {KVDtype.FP8: 2}
+
+
 def _num_stages(tile: int, kv_dtype: KVDtype, budget_kb: int, most: int) -> int:
     """Pipelining depth: steps of raw K+V bytes (``tile`` elements each) within ``budget_kb``
     of shared memory, 2..``most``."""
@@ -194,12 +201,13 @@ def choose_decode_config(
       (8K for f32): T = 128 at D <= 128, 64 at D = 256, 32 at D = 512 -- 64 KB of bf16 K+V in
       flight per step, several pages each. Never fewer than 16 tokens (tl.dot), never many
       more pages than the block table has.
-    * Splits: decode is bound by KV bytes, so the grid must cover the GPU. ``batch *
-      num_kv_heads`` programs are split along the sequence until there are about two
-      programs per SM, but each split keeps >= 2 loop steps of the table's capacity (shorter
-      splits spend more on the reduce and on the pipeline prologue than they win). With
+    * Splits: decode is bound by KV bytes, so the grid must cover the GPU in whole waves.
+      ``batch * num_kv_heads`` programs are split along the sequence to the nearest multiple
+      of the programs an SM holds at once (``RESIDENT_PROGRAMS``: 2 for FP8 pages, 3 for the
+      others), but each split keeps >= 2 loop steps of the table's capacity (shorter splits
+      spend more on the reduce and on the pipeline prologue than they win). With
       ``sm_count=None`` (no GPU: interpret mode) there is one split.
-    * Stages: as many steps in flight as ~160 KB of shared memory holds (2..4).
+    * Stages: as many steps in flight as ~160 KB of shared memory holds (2..4; FP8 2).
     * Warps: 8 for large register tiles, else 4.
     """
     kv_dtype = KVDtype.coerce(kv_dtype)
@@ -222,13 +230,14 @@ def choose_decode_config(
     if sm_count is not None and sm_count > 0:
         programs = batch * num_kv_heads
         steps = -(-max_pages // pages_per_step)
-        want = -(-2 * sm_count // programs)
+        want = round(RESIDENT_PROGRAMS.get(kv_dtype, 3) * sm_count / programs)
         num_splits = max(1, min(want, steps // 2, 4096))
 
-    # Pipelining depth: raw K+V bytes of one step in shared memory, within ~160 KB.
+    # Pipelining depth: raw K+V bytes of one step in shared memory, within ~160 KB (FP8: 2,
+    # measured faster than 3-4 on the H200, B32 4k-16k and B1 32k).
     rows = q_len * q_per_kv
     tile = pages_per_step * page_size * head_dim
-    num_stages = _num_stages(tile, kv_dtype, 160, 4)
+    num_stages = _num_stages(tile, kv_dtype, 160, 2 if kv_dtype is KVDtype.FP8 else 4)
     # Warps: the f32 accumulator [R, D] and the q block stay in registers across the loop.
     # (8 warps for FP8 / NVFP4 pages, to hide their convert chains, measured slower on the
     # H200: FP8 B32 16k 292 -> 380 us, 4k 95 -> 112 us; benchmarks/NOTES.md.)

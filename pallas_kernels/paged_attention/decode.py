@@ -45,13 +45,13 @@ the halves in registers the kernel splits q into its even and odd columns and ke
 Splits and reduce. With ``num_splits == 1`` the program normalizes (sinks included) and writes
 the final ``[B, Q, Hq, D]`` rows itself: one launch. With ``S > 1`` each program writes its
 normalized partial ``o [B, Hk, S, Q*G, D]`` f32 and log-sum-exp ``[B, Hk, S, Q*G]`` f32 (-inf
-for an empty split), and a second Pallas launch (``combine_kernel``, one program per output
-row) combines the splits with the sinks by log-sum-exp and writes the ``[B, Q, Hq, D]`` row in
-the output dtype. ``combine_splits`` is its plain-jnp statement (the tests' reference); XLA
-compiled that into several small launches (5 launches in all at B = 1, 32k), the Pallas combine
-is one. Its traffic is the partials written and read once, ``2 * S * Q*G / L`` of the bf16 KV
-bytes of a sequence of length L (3 % at B = 1, L = 32k, S = 66, Q*G = 8; far less at larger
-batch, where the heuristic picks fewer splits, and none at S = 1).
+for an empty split), and a plain-jnp log-sum-exp reduce combines the splits and the sinks and
+transposes to ``[B, Q, Hq, D]``. The reduce is jnp, not a second Pallas kernel: XLA fuses it
+into one small reduction fusion that folds in the sinks, the transpose and the output cast for
+free, where a Triton kernel would need a power-of-two S and a second launch all the same. Its
+traffic is the partials written and read once, ``2 * S * Q*G / L`` of the bf16 KV bytes of a
+sequence of length L (5 % at B = 1, L = 32k, S = 99, Q*G = 8; far less at larger batch, where
+the heuristic picks fewer splits, and none at S = 1).
 
 The file reads top-down: helpers, the kernel body on refs, the ``pallas_call`` wrapper, the
 split reduce, the jitted public entry.
@@ -544,76 +544,14 @@ def _paged_decode_pallas(
     if st.num_splits == 1:
         return out.reshape(q.shape[:3] + (st.head_dim,))
     o, lse = out
-    return _combine_splits_pallas(o, lse, sinks, st=st, batch=b, out_dtype=out_dtype,
-                                  interpret=interpret).reshape(q.shape[:3] + (st.head_dim,))
+    o = o.reshape(b, st.num_kv_heads, st.num_splits, qg, st.head_dim)
+    lse = lse.reshape(b, st.num_kv_heads, st.num_splits, qg)
+    return combine_splits(o, lse, sinks, q_len=st.q_len).astype(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
 # Split reduce.
 # ---------------------------------------------------------------------------------------------
-
-
-COMBINE_CHUNK = 16  # splits a combine program reads per loop step
-
-
-def combine_kernel(o_ref, lse_ref, sinks_ref, out_ref, *, st: _Static):
-    """One output row ``(b, q, h)`` of a split decode: the log-sum-exp combination of its
-    ``num_splits`` partial rows (``combine_splits`` in one launch). Partial rows are ordered
-    ``(b, kv head, split, q * G + g)``; output rows ``(b, q, kv head * G + g)``."""
-    qg = st.q_len * st.group
-    pid = pl.program_id(0)  # (b, kv head, q, g), g fastest
-    r = pid % qg
-    bh = pid // qg  # b * Hk + kv head
-    head = (bh % st.num_kv_heads) * st.group + r % st.group
-    out_row = ((bh // st.num_kv_heads) * st.q_len + r // st.group) * st.num_q_heads + head
-    first = bh * st.num_splits * qg + r  # split 0's partial row; split s: + s * qg
-    # Triton arrays need power-of-two sizes: the lse vector covers span = next_pow2(S) >= S
-    # splits and each loop step a power-of-two chunk (the splits past S masked).
-    span = 1 << (st.num_splits - 1).bit_length()
-    chunk = min(COMBINE_CHUNK, span)
-    n_chunks = -(-st.num_splits // chunk)
-
-    all_s = jnp.arange(span, dtype=jnp.int32)
-    lse = plgpu.load(lse_ref.at[first + all_s * qg], mask=all_s < st.num_splits,
-                     other=-jnp.inf)  # [span]
-    mx = jnp.max(lse)
-    if sinks_ref is not None:
-        sink = jnp.max(plgpu.load(sinks_ref.at[jnp.full((1,), head, jnp.int32)]))  # scalar
-        mx = jnp.maximum(mx, sink)
-    mx = jnp.where(mx > -jnp.inf, mx, 0.0)  # no split saw a key (and no sink)
-    den = jnp.sum(jnp.exp(lse - mx))
-    if sinks_ref is not None:
-        den = den + jnp.exp(sink - mx)
-    cols = jnp.arange(st.head_dim, dtype=jnp.int32)
-
-    def body(c, num):
-        s_idx = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        ok = s_idx < st.num_splits
-        rows = first + s_idx * qg
-        w = jnp.exp(plgpu.load(lse_ref.at[rows], mask=ok, other=-jnp.inf) - mx)  # [chunk]
-        part = plgpu.load(o_ref.at[_grid(rows, cols)], mask=ok[:, None], other=0.0)
-        return num + jnp.sum(w[:, None] * part, axis=0)
-
-    num = jax.lax.fori_loop(0, n_chunks, body, jnp.zeros((st.head_dim,), jnp.float32))
-    out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
-    plgpu.store(out_ref.at[jnp.full((1,), out_row, jnp.int32)[:, None], cols[None, :]],
-                out[None, :].astype(out_ref.dtype))
-
-
-def _combine_splits_pallas(o, lse, sinks, *, st: _Static, batch: int, out_dtype,
-                           interpret: bool) -> jax.Array:
-    """``combine_splits`` as one launch: ``[B * Q * Hq, D]`` rows from the partial ``o``
-    ``[B * Hk * S * Q * G, D]`` and ``lse`` ``[B * Hk * S * Q * G]``."""
-    rows = batch * st.q_len * st.num_q_heads
-    return pl.pallas_call(
-        functools.partial(combine_kernel, st=st),
-        grid=(rows,),
-        out_shape=jax.ShapeDtypeStruct((rows, st.head_dim), out_dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4 if st.head_dim >= 256 else 2,
-                                             num_stages=1),
-        interpret=interpret,
-        name=f"paged_decode_combine_d{st.head_dim}_s{st.num_splits}",
-    )(o, lse, None if sinks is None else sinks.astype(jnp.float32))
 
 
 def combine_splits(
@@ -623,8 +561,7 @@ def combine_splits(
     *,
     q_len: int,
 ) -> jax.Array:  # [B, Q, Hq, D] f32
-    """Log-sum-exp combination of the splits (and the sinks, denominator only): the plain-jnp
-    statement of ``combine_kernel``."""
+    """Log-sum-exp combination of the splits (and the sinks, denominator only)."""
     b, hk, _, qg, d = o.shape
     g = qg // q_len
     mx = lse.max(axis=2)  # [B, Hk, Q*G]
