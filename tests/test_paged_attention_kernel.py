@@ -448,14 +448,16 @@ class TestConfig:
         assert cfg.num_splits == 1
 
     @pytest.mark.parametrize(
-        "b,ctx,kv_dtype,splits",
-        [(32, 16384, "fp8", 2), (32, 4096, "fp8", 2), (1, 32768, "fp8", 66),
-         (32, 4096, "bf16", 3), (1, 32768, "bf16", 99), (128, 1024, "bf16", 1)],
+        "b,hk,ctx,kv_dtype,splits",
+        [(32, 4, 16384, "fp8", 2), (32, 4, 4096, "fp8", 2), (1, 4, 32768, "fp8", 66),
+         (8, 4, 16384, "fp8", 8), (32, 8, 16384, "fp8", 2), (32, 4, 4096, "bf16", 3),
+         (32, 8, 4096, "bf16", 2), (8, 4, 16384, "nvfp4", 12), (1, 8, 16384, "bf16", 49),
+         (128, 4, 1024, "bf16", 1)],
     )
-    def test_heuristic_grid_is_whole_waves(self, b, ctx, kv_dtype, splits):
-        """Programs = splits x B x Hk near a multiple of RESIDENT_PROGRAMS x SMs (the H200
-        cases the rule was measured on); FP8 pages pipeline 2 steps deep."""
-        cfg = choose_decode_config(b, 4, 8, 1, ctx // 16, 16, 128, kv_dtype, 132)
+    def test_heuristic_grid_is_whole_waves(self, b, hk, ctx, kv_dtype, splits):
+        """Programs = splits x B x Hk fill the last wave of RESIDENT_PROGRAMS x SMs best (the
+        H200 cases the rule was measured on); FP8 pages pipeline 2 steps deep."""
+        cfg = choose_decode_config(b, hk, 8, 1, ctx // 16, 16, 128, kv_dtype, 132)
         assert cfg.num_splits == splits
         assert cfg.num_stages == 2 or kv_dtype != "fp8"
 

@@ -88,8 +88,13 @@ def _pages_per_step(tokens: int, page_size: int, max_pages: int) -> int:
 # Programs of the heuristic's tiles an sm_90 SM holds at once, by registers (Nsight Compute on
 # the H200, B32 16k, 4 warps, 128 tokens x D 128 a step): FP8 pages 255 registers a thread ->
 # 2; BF16 156 -> 3 (the default, also taken for the other dtypes). A grid of 1.45 waves (FP8
-# at 3 splits, B32) ran 306 us against 243 us at 2 splits (1 wave).
+# at 3 splits, B32 32/4 16k) ran 272 us of GPU time against 216 us at 2 splits (0.97 wave).
 RESIDENT_PROGRAMS = {KVDtype.FP8: 2}
+
+
+def _wave_efficiency(programs: int, slots: int) -> float:
+    """Busy fraction of the resident-program slots over the waves ``programs`` take."""
+    return programs / (slots * -(-programs // slots))
 
 
 def _num_stages(tile: int, kv_dtype: KVDtype, budget_kb: int, most: int) -> int:
@@ -202,10 +207,11 @@ def choose_decode_config(
       flight per step, several pages each. Never fewer than 16 tokens (tl.dot), never many
       more pages than the block table has.
     * Splits: decode is bound by KV bytes, so the grid must cover the GPU in whole waves.
-      ``batch * num_kv_heads`` programs are split along the sequence to the nearest multiple
-      of the programs an SM holds at once (``RESIDENT_PROGRAMS``: 2 for FP8 pages, 3 for the
-      others), but each split keeps >= 2 loop steps of the table's capacity (shorter splits
-      spend more on the reduce and on the pipeline prologue than they win). With
+      ``batch * num_kv_heads`` programs are split along the sequence, up to one wave of the
+      programs the GPU holds at once (``RESIDENT_PROGRAMS`` per SM: 2 for FP8 pages, 3 for
+      the others), at the split count whose last wave is fullest (``_wave_efficiency``; ties
+      to more splits), but each split keeps >= 2 loop steps of the table's capacity (shorter
+      splits spend more on the reduce and on the pipeline prologue than they win). With
       ``sm_count=None`` (no GPU: interpret mode) there is one split.
     * Stages: as many steps in flight as ~160 KB of shared memory holds (2..4; FP8 2).
     * Warps: 8 for large register tiles, else 4.
@@ -230,8 +236,10 @@ def choose_decode_config(
     if sm_count is not None and sm_count > 0:
         programs = batch * num_kv_heads
         steps = -(-max_pages // pages_per_step)
-        want = round(RESIDENT_PROGRAMS.get(kv_dtype, 3) * sm_count / programs)
-        num_splits = max(1, min(want, steps // 2, 4096))
+        slots = RESIDENT_PROGRAMS.get(kv_dtype, 3) * sm_count  # programs resident at once
+        top = max(1, min(-(-slots // programs), steps // 2, 4096))
+        num_splits = max(range(1, top + 1), key=lambda s: (_wave_efficiency(programs * s, slots),
+                                                           s))
 
     # Pipelining depth: raw K+V bytes of one step in shared memory, within ~160 KB (FP8: 2,
     # measured faster than 3-4 on the H200, B32 4k-16k and B1 32k).
