@@ -412,25 +412,23 @@ def _sweep_variants():
     if SMOKE:
         return {(2, 100, 8, 2, 64, "fp8"): [None, DecodeConfig(2, 2), DecodeConfig(
             2, 2, v_convert="asm"), DecodeConfig(4, 1, v_convert="asm", k_convert="asm")]}
-    # Nsight Compute (2026-12-01 session 4): at B32 16k the FP8 kernel holds 255 registers a
-    # thread, so 2 programs fit an SM (BF16: 156, 3 per SM) and its 384 programs ran in 1.45
-    # waves; B=1 32k's 264 programs fill 2 of the 3 BF16 slots per SM. These variants fit the
-    # grid to the resident programs (splits) or cut the registers (pages per step, stages).
-    b1_bf16 = [DecodeConfig(pp, s, 4, 2) for pp, s in ((8, 99), (8, 132), (4, 132), (4, 198))]
-    b1_fp8 = [DecodeConfig(pp, s, 4, st) for pp, s, st in ((8, 66, 2), (8, 99, 2), (4, 132, 2),
-                                                            (4, 198, 2), (4, 132, 4))]
-    fp8_16k = [DecodeConfig(pp, s, 4, st) for pp, s, st in (
-        (8, 2, 2), (8, 2, 3), (8, 2, 4), (8, 3, 2), (4, 3, 2), (4, 3, 4), (4, 2, 2), (4, 6, 2),
-        (4, 6, 4), (2, 6, 2))]
-    fp8_4k = [DecodeConfig(pp, s, 4, st) for pp, s, st in (
-        (8, 2, 2), (8, 2, 4), (4, 3, 2), (4, 3, 4), (4, 6, 2), (2, 6, 2))]
+    # Nsight Compute (2026-12-01 session 4): at B32 16k the FP8 kernel held 255 registers a
+    # thread, so 2 programs fit an SM (BF16: 156, 3 per SM), and its 384 programs (3 splits)
+    # ran in 1.45 waves; the heuristic now fits the splits to whole waves (RESIDENT_PROGRAMS).
+    # These variants: the inline-PTX conversions and 8 warps at that whole-wave grid, and
+    # pages per step / splits around B=1's choice.
+    def fp8_variants(splits):
+        return [DecodeConfig(8, splits, w, 2, v_convert=v, k_convert=k)
+                for w, v, k in ((4, "asm", "cast"), (4, "asm", "asm"), (8, "cast", "cast"),
+                                (8, "asm", "asm"))]
+
     return {
-        (1, 32768, 32, 4, 128, "bf16"): [None, *b1_bf16],
-        (1, 32768, 32, 4, 128, "fp8"): [None, *b1_fp8],
-        (32, 16384, 32, 4, 128, "fp8"): [None, *fp8_16k],
-        (32, 4096, 32, 4, 128, "fp8"): [None, *fp8_4k],
-        (32, 16384, 32, 4, 128, "nvfp4"): [None, DecodeConfig(4, 3, 4, 2),
-                                           DecodeConfig(8, 2, 4, 2)],
+        (32, 16384, 32, 4, 128, "fp8"): [None, *fp8_variants(2)],
+        (32, 4096, 32, 4, 128, "fp8"): [None, *fp8_variants(2)],
+        (1, 32768, 32, 4, 128, "fp8"): [None, *fp8_variants(66)],
+        (1, 32768, 32, 4, 128, "bf16"): [None, DecodeConfig(8, 66, 4, 2),
+                                         DecodeConfig(4, 132, 4, 2), DecodeConfig(16, 33, 4, 2),
+                                         DecodeConfig(8, 99, 8, 2)],
     }
 
 
