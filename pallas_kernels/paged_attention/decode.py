@@ -561,33 +561,20 @@ def combine_splits(
     *,
     q_len: int,
 ) -> jax.Array:  # [B, Q, Hq, D] f32
-    """Log-sum-exp combination of the splits (and the sinks, denominator only).
-
-    One variadic ``lax.reduce`` over the split axis merges ``(max, denominator, numerator)``
-    triples the online-softmax way, so XLA emits a single reduction instead of a max, two sums
-    and the division (4 launches after the decode kernel at B=1, 32k on the H200)."""
+    """Log-sum-exp combination of the splits (and the sinks, denominator only)."""
     b, hk, _, qg, d = o.shape
     g = qg // q_len
-
-    def rescale(m, to):  # exp(m - to), 0 where both are -inf (a row that saw no key)
-        return jnp.exp(m - jnp.where(to == -jnp.inf, 0.0, to))
-
-    def merge(x, y):
-        (m1, l1, a1), (m2, l2, a2) = x, y
-        m = jnp.maximum(m1, m2)
-        e1, e2 = rescale(m1, m), rescale(m2, m)
-        return m, l1 * e1 + l2 * e2, a1 * e1 + a2 * e2
-
-    m, den, num = jax.lax.reduce(
-        (jnp.broadcast_to(lse[..., None], o.shape), jnp.ones_like(o), o),
-        (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0)), merge, (2,),
-    )  # each [B, Hk, Q*G, D]
+    mx = lse.max(axis=2)  # [B, Hk, Q*G]
     if sinks is not None:
-        sink = jnp.tile(sinks.astype(jnp.float32).reshape(hk, g), (1, q_len))[None, :, :, None]
-        mx = jnp.maximum(m, sink)
-        den = den * rescale(m, mx) + rescale(sink, mx)
-        num = num * rescale(m, mx)
-    out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
+        sink = jnp.tile(sinks.astype(jnp.float32).reshape(hk, g), (1, q_len))[None]  # [1,Hk,QG]
+        mx = jnp.maximum(mx, sink)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    w = jnp.exp(lse - mx[:, :, None])  # [B, Hk, S, Q*G]
+    den = w.sum(axis=2)  # [B, Hk, Q*G]
+    if sinks is not None:
+        den = den + jnp.exp(sink - mx)
+    num = (w[..., None] * o).sum(axis=2)  # [B, Hk, Q*G, D]: one fused loop, no matmul
+    out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
     out = out.reshape(b, hk, q_len, g, d).transpose(0, 2, 1, 3, 4)  # [B, Q, Hk, G, D]
     return out.reshape(b, q_len, hk * g, d)
 
