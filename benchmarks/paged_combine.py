@@ -1,0 +1,118 @@
+"""The paged decode's split combine, formulated several ways, timed on the GPU.
+
+At B=1 the decode kernel runs many splits (99 at 32k) and XLA compiles the plain-jnp combine
+(``decode.combine_splits``) into 4 small launches after the kernel (~5 us of a ~28 us step).
+This script times the formulations below twice: the combine alone on the partials of a real
+case, and the whole decode step with ``decode.combine_splits`` swapped for the variant. Each is
+checked against ``combine_splits``. Columns: GPU busy time (CUPTI) and launches per call.
+
+    python benchmarks/paged_combine.py            # H200; --smoke: tiny, interpret mode (CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import paged_attention as pa  # noqa: E402
+from benchmarks._common import device_busy, rotating, table  # noqa: E402
+from pallas_kernels.paged_attention import DecodeConfig, decode  # noqa: E402
+
+
+def _weights(lse, sinks, q_len):
+    """Normalized split weights ``[B, Hk, Q*G, S]`` (S minor), the sinks as one more split
+    whose output is zero; rows that saw no key and have no sink get 0."""
+    b, hk, s, qg = lse.shape
+    lt = jnp.moveaxis(lse, 2, -1)  # [B, Hk, QG, S]
+    if sinks is not None:
+        g = qg // q_len
+        sink = jnp.tile(sinks.astype(jnp.float32).reshape(hk, g), (1, q_len))
+        lt = jnp.concatenate([lt, jnp.broadcast_to(sink[None, :, :, None], (b, hk, qg, 1))], -1)
+    mx = lt.max(-1, keepdims=True)
+    mx = jnp.where(mx > -jnp.inf, mx, 0.0)
+    w = jnp.exp(lt - mx)
+    den = w.sum(-1, keepdims=True)
+    return w[..., :s] / jnp.where(den > 0, den, 1.0)
+
+
+def _out(num, q_len):
+    b, hk, qg, d = num.shape
+    g = qg // q_len
+    return num.reshape(b, hk, q_len, g, d).transpose(0, 2, 1, 3, 4).reshape(b, q_len, hk * g, d)
+
+
+def combine_weighted_sum(o, lse, sinks, *, q_len):
+    """Weights first (S minor, sinks as a zero split), then one multiply-and-sum over S."""
+    w = _weights(lse, sinks, q_len)  # [B, Hk, QG, S]
+    return _out(jnp.sum(jnp.moveaxis(w, -1, 2)[..., None] * o, axis=2), q_len)
+
+
+def combine_einsum(o, lse, sinks, *, q_len):
+    """Weights first, then the sum over S as a batched matrix-vector product."""
+    w = _weights(lse, sinks, q_len)
+    return _out(jnp.einsum("bhqs,bhsqd->bhqd", w, o, preferred_element_type=jnp.float32), q_len)
+
+
+VARIANTS = {"combine_splits": decode.combine_splits, "weighted_sum": combine_weighted_sum,
+            "einsum": combine_einsum}
+CASES = [(1, 32768, 32, 4, 128, "bf16"), (1, 16384, 64, 8, 128, "bf16"),
+         (1, 32768, 32, 4, 128, "fp8"), (32, 4096, 32, 4, 128, "bf16")]
+SMOKE_CASES = [(1, 700, 8, 2, 64, "bf16")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    pa.SMOKE = args.smoke
+    rows = []
+    key = jax.random.key(0)
+    original = decode.combine_splits
+    for b, ctx, hq, hk, d, dtype in SMOKE_CASES if args.smoke else CASES:
+        cache = pa.make_cache(key, b, ctx, hk, d, dtype)
+        xs = pa.queries(key, b, hq, d)
+        s, qg = 7, hq // hk
+        ko, kl, ks = jax.random.split(jax.random.fold_in(key, ctx), 3)
+        o = jax.random.normal(ko, (b, hk, s, qg, d), jnp.float32)
+        lse = jax.random.normal(kl, (b, hk, s, qg), jnp.float32) * 3
+        lse = lse.at[:, :, -2:].set(-jnp.inf)  # empty splits
+        sinks = jax.random.normal(ks, (hq,), jnp.float32)
+        for name, fn in VARIANTS.items():
+            row = dict(B=b, ctx=ctx, heads=f"{hq}/{hk}", kv=dtype, variant=name)
+            for sk in (None, sinks):
+                want = original(o, lse, sk, q_len=1)
+                err = float(jnp.max(jnp.abs(fn(o, lse, sk, q_len=1) - want)))
+                row["max_err" if sk is None else "max_err_sinks"] = err
+            decode.combine_splits = fn
+            jax.clear_caches()  # paged_decode is jitted: retrace it with this combine
+            try:
+                # interpret mode has no SM count, hence one split: ask for 3
+                config = DecodeConfig(2, 3) if args.smoke else None
+                step = jax.jit(pa.ours_step(dtype, d, config))
+                busy = None if args.smoke else device_busy(rotating(step, cache, xs))
+                out = step(cache, xs[0])
+            finally:
+                decode.combine_splits = original
+                jax.clear_caches()
+            ref = jax.jit(pa.ref_step(dtype, d))(cache, xs[0])
+            row["step_rel_err"] = pa.rel_err(out, ref)
+            if busy:
+                row.update(step_busy_us=busy[0] * 1e6, launches=busy[1])
+            rows.append(row)
+            print(table([row], list(row)), flush=True)
+    text = table(rows, list(rows[0]))
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
