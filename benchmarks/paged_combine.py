@@ -21,7 +21,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import paged_attention as pa  # noqa: E402
-from benchmarks._common import device_busy, rotating, table  # noqa: E402
+from benchmarks._common import device_busy, rotating, table, time_scan  # noqa: E402
 from pallas_kernels.paged_attention import DecodeConfig, decode  # noqa: E402
 
 
@@ -122,6 +122,9 @@ def main() -> None:
                 config = DecodeConfig(2, 3) if args.smoke else None
                 step = jax.jit(pa.ours_step(dtype, d, config))
                 busy = None if args.smoke else device_busy(rotating(step, cache, xs))
+                if not args.smoke:
+                    row["step_us"] = time_scan(pa.ours_step(dtype, d, config), cache, xs,
+                                               loops=8) * 1e6
                 out = step(cache, xs[0])
             finally:
                 decode.combine_splits = original
