@@ -2,12 +2,13 @@
 
     ncu --clock-control none -k regex:paged_decode --launch-skip 2 --launch-count 1 \\
         python benchmarks/ncu_case.py paged 32 16384 32 4 128 fp8
-    ncu --clock-control none -k regex:moe_decode_gate_up --launch-skip 2 --launch-count 1 \\
-        python benchmarks/ncu_case.py moe qwen3-30b-a3b nvfp4 8
+    ncu --clock-control none --target-processes all -k regex:moe_decode --launch-skip 4 \\
+        --launch-count 2 python benchmarks/ncu_case.py moe qwen3-30b-a3b nvfp4 8
 
 The case is built as in ``paged_attention.py`` / ``moe_decode.py`` (random data, never zeros)
 and run ``--calls`` times, each call synchronized, so the kernels of call 3 on are warm.
-Nothing is timed here: ncu's report is the output.
+Nothing is timed here: ncu's report is the output. (One MoE run without
+``--target-processes all`` printed no report and no error; with it, the report came.)
 """
 
 from __future__ import annotations

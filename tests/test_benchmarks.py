@@ -69,3 +69,35 @@ def _column(text: str, name: str) -> list[str]:
         elif col >= 0 and not set(line) <= set("|-: "):
             cells.append(row[col])
     return cells
+
+
+@pytest.mark.parametrize("q_len", [1, 2])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_paged_combine_variants_match_combine_splits(q_len, with_sinks):
+    """benchmarks/paged_combine.py's formulations equal ``combine_splits``, with empty splits
+    (lse -inf) and a row no split saw (all -inf: 0 without sinks)."""
+    from benchmarks import paged_combine as pc
+
+    b, hk, s, g, d = 2, 3, 7, 4, 16
+    ko, kl, ks = jax.random.split(jax.random.key(3), 3)
+    o = jax.random.normal(ko, (b, hk, s, q_len * g, d), jnp.float32)
+    lse = jax.random.normal(kl, (b, hk, s, q_len * g), jnp.float32) * 3
+    lse = lse.at[:, :, -2:].set(-jnp.inf).at[0, 0, :, 0].set(-jnp.inf)
+    sinks = jax.random.normal(ks, (hk * g,), jnp.float32) if with_sinks else None
+    want = pc.VARIANTS["combine_splits"](o, lse, sinks, q_len=q_len)
+    assert want.shape == (b, q_len, hk * g, d)
+    for name, fn in pc.VARIANTS.items():
+        got = fn(o, lse, sinks, q_len=q_len)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_paged_attention_case_flag():
+    import argparse
+
+    from benchmarks import paged_attention as pa
+
+    parser = argparse.ArgumentParser()
+    assert pa._parse_case("1,32768,32,4,128,bf16", parser) == (1, 32768, 32, 4, 128, "bf16")
+    for bad in ("1,2,3", "1,32768,32,4,128,int8", "1,32768,30,4,128,fp8", "a,b,c,d,e,fp8"):
+        with pytest.raises(SystemExit):
+            pa._parse_case(bad, parser)
