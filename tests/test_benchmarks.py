@@ -84,10 +84,11 @@ def test_paged_combine_variants_match_combine_splits(q_len, with_sinks):
     lse = jax.random.normal(kl, (b, hk, s, q_len * g), jnp.float32) * 3
     lse = lse.at[:, :, -2:].set(-jnp.inf).at[0, 0, :, 0].set(-jnp.inf)
     sinks = jax.random.normal(ks, (hk * g,), jnp.float32) if with_sinks else None
-    want = pc.VARIANTS["combine_splits"](o, lse, sinks, q_len=q_len)
+    want = jax.jit(pc.VARIANTS["combine_splits"], static_argnames="q_len")(o, lse, sinks,
+                                                                          q_len=q_len)
     assert want.shape == (b, q_len, hk * g, d)
-    for name, fn in pc.VARIANTS.items():
-        got = fn(o, lse, sinks, q_len=q_len)
+    for name, fn in pc.VARIANTS.items():  # jitted: eager op-by-op dispatch took ~15 s
+        got = jax.jit(fn, static_argnames="q_len")(o, lse, sinks, q_len=q_len)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
