@@ -426,9 +426,8 @@ def _sweep_variants():
         (32, 16384, 32, 4, 128, "fp8"): [None, *fp8_variants(2)],
         (32, 4096, 32, 4, 128, "fp8"): [None, *fp8_variants(2)],
         (1, 32768, 32, 4, 128, "fp8"): [None, *fp8_variants(66)],
-        (1, 32768, 32, 4, 128, "bf16"): [None, DecodeConfig(8, 66, 4, 2),
-                                         DecodeConfig(4, 132, 4, 2), DecodeConfig(16, 33, 4, 2),
-                                         DecodeConfig(8, 99, 8, 2)],
+        (1, 32768, 32, 4, 128, "bf16"): [None, DecodeConfig(4, 132, 4, 2),
+                                         DecodeConfig(16, 33, 4, 2), DecodeConfig(8, 99, 8, 2)],
     }
 
 

@@ -452,8 +452,7 @@ class TestConfig:
         [(32, 4, 16384, "fp8", 2), (32, 4, 4096, "fp8", 2), (1, 4, 32768, "fp8", 66),
          (8, 4, 16384, "fp8", 8), (32, 8, 16384, "fp8", 2), (32, 4, 4096, "bf16", 3),
          (32, 8, 4096, "bf16", 2), (8, 4, 16384, "nvfp4", 9), (1, 8, 16384, "bf16", 33),
-         (1, 4, 32768, "bf16", 66),
-         (128, 4, 1024, "bf16", 1)],
+         (1, 4, 32768, "bf16", 66), (128, 4, 1024, "bf16", 1)],
     )
     def test_heuristic_grid_is_whole_waves(self, b, hk, ctx, kv_dtype, splits):
         """Programs = splits x B x Hk fill the last wave of RESIDENT_PROGRAMS x SMs best (the

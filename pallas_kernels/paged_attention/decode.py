@@ -46,11 +46,13 @@ Splits and reduce. With ``num_splits == 1`` the program normalizes (sinks includ
 the final ``[B, Q, Hq, D]`` rows itself: one launch. With ``S > 1`` each program writes its
 normalized partial ``o [B, Hk, S, Q*G, D]`` f32 and log-sum-exp ``[B, Hk, S, Q*G]`` f32 (-inf
 for an empty split), and a plain-jnp log-sum-exp reduce combines the splits and the sinks and
-transposes to ``[B, Q, Hq, D]``. The reduce is jnp, not a second Pallas kernel: XLA fuses it
-into one small reduction fusion that folds in the sinks, the transpose and the output cast for
-free, where a Triton kernel would need a power-of-two S and a second launch all the same. Its
+transposes to ``[B, Q, Hq, D]``. The reduce is jnp, not a second Pallas kernel: XLA folds the
+sinks, the transpose and the output cast into its fusions (2 of them at S = 3, 4 at S = 66 on
+the H200: the max, the exponentials and their sum, the weighted sum, the division), and a
+Pallas combine kernel measured slower all the same (B = 1 32k: 2 launches instead of 5, but
+29.4 vs 27.8 us of GPU time and 49.8 vs 38.4 us a step; benchmarks/RESULTS.md, session 4). Its
 traffic is the partials written and read once, ``2 * S * Q*G / L`` of the bf16 KV bytes of a
-sequence of length L (5 % at B = 1, L = 32k, S = 99, Q*G = 8; far less at larger batch, where
+sequence of length L (3 % at B = 1, L = 32k, S = 66, Q*G = 8; far less at larger batch, where
 the heuristic picks fewer splits, and none at S = 1).
 
 The file reads top-down: helpers, the kernel body on refs, the ``pallas_call`` wrapper, the
