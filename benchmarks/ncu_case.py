@@ -24,14 +24,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import atlas_jax as aj  # noqa: E402
 from benchmarks import moe_decode as md  # noqa: E402
 from benchmarks import paged_attention as pa  # noqa: E402
+from pallas_kernels.paged_attention import DecodeConfig  # noqa: E402
 
 
-def paged_call(b: int, ctx: int, hq: int, hk: int, d: int, dtype: str):
+def paged_call(b: int, ctx: int, hq: int, hk: int, d: int, dtype: str, config=None):
     key = jax.random.key(0)
     cache = pa.make_cache(key, b, ctx, hk, d, dtype)
     q = pa.queries(key, b, hq, d, n=1)[0]
-    fn = jax.jit(pa.ours_step(dtype, d))
+    fn = jax.jit(pa.ours_step(dtype, d, config))
     return lambda: fn(cache, q)
+
+
+def parse_config(text: str) -> DecodeConfig:
+    """``PPS,SPLITS,WARPS,STAGES[,V_CONVERT[,K_CONVERT]]`` -> DecodeConfig."""
+    parts = text.split(",")
+    if not 4 <= len(parts) <= 6:
+        raise argparse.ArgumentTypeError(f"expected PPS,SPLITS,WARPS,STAGES[,V[,K]], got {text!r}")
+    try:
+        nums = [int(x) for x in parts[:4]]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    converts = dict(zip(("v_convert", "k_convert"), parts[4:], strict=False))
+    try:
+        return DecodeConfig(*nums, **converts)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def moe_call(shape: str, fmt: str, tokens: int):
@@ -50,13 +67,16 @@ def main() -> None:
     for name in ("b", "ctx", "hq", "hk", "d"):
         p.add_argument(name, type=int)
     p.add_argument("kv", choices=pa.GRID_KV)
+    p.add_argument("--config", type=parse_config, default=None,
+                   help="a DecodeConfig instead of the heuristic's: PPS,SPLITS,WARPS,STAGES"
+                        "[,V_CONVERT[,K_CONVERT]], e.g. 8,3,4,2,asm")
     m = sub.add_parser("moe", help="moe_forward decode step: SHAPE FORMAT TOKENS")
     m.add_argument("shape", choices=list(md.SHAPES))
     m.add_argument("fmt", choices=list(md.FORMATS))
     m.add_argument("tokens", type=int)
     args = parser.parse_args()
     if args.kind == "paged":
-        call = paged_call(args.b, args.ctx, args.hq, args.hk, args.d, args.kv)
+        call = paged_call(args.b, args.ctx, args.hq, args.hk, args.d, args.kv, args.config)
     else:
         call = moe_call(args.shape, args.fmt, args.tokens)
     for _ in range(args.calls):

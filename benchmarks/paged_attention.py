@@ -415,19 +415,20 @@ def _sweep_variants():
     # Nsight Compute (2026-12-01 session 4): at B32 16k the FP8 kernel held 255 registers a
     # thread, so 2 programs fit an SM (BF16: 156, 3 per SM), and its 384 programs (3 splits)
     # ran in 1.45 waves; the heuristic now fits the splits to whole waves (RESIDENT_PROGRAMS).
-    # These variants: the inline-PTX conversions and 8 warps at that whole-wave grid, and
-    # pages per step / splits around B=1's choice.
-    def fp8_variants(splits):
-        return [DecodeConfig(8, splits, w, 2, v_convert=v, k_convert=k)
-                for w, v, k in ((4, "asm", "cast"), (4, "asm", "asm"), (8, "cast", "cast"),
-                                (8, "asm", "asm"))]
+    # Session 5's variants: configurations that may hold fewer registers or less shared memory
+    # (V converted by PTX before its layout change, 4 pages a step, no software pipelining),
+    # at the 3-per-SM grid (3 splits at B32, 12 at B8) and at the heuristic's 2-per-SM one.
+    def fp8_variants(two, three):
+        return [DecodeConfig(pps, s, 4, st, v_convert=v)
+                for pps, s, st, v in ((8, three, 2, "asm"), (8, three, 1, "asm"),
+                                      (8, three, 1, "cast"), (8, two, 1, "cast"),
+                                      (4, three, 2, "cast"), (4, three, 2, "asm"),
+                                      (4, three, 3, "asm"))]
 
     return {
-        (32, 16384, 32, 4, 128, "fp8"): [None, *fp8_variants(2)],
-        (32, 4096, 32, 4, 128, "fp8"): [None, *fp8_variants(2)],
-        (1, 32768, 32, 4, 128, "fp8"): [None, *fp8_variants(66)],
-        (1, 32768, 32, 4, 128, "bf16"): [None, DecodeConfig(4, 132, 4, 2),
-                                         DecodeConfig(16, 33, 4, 2), DecodeConfig(8, 99, 8, 2)],
+        (32, 16384, 32, 4, 128, "fp8"): [None, *fp8_variants(2, 3)],
+        (32, 4096, 32, 4, 128, "fp8"): [None, *fp8_variants(2, 3)],
+        (8, 16384, 32, 4, 128, "fp8"): [None, *fp8_variants(8, 12)],
     }
 
 

@@ -1,10 +1,12 @@
 """The paged decode's split combine, formulated several ways, timed on the GPU.
 
-At B=1 the decode kernel runs many splits (99 at 32k) and XLA compiles the plain-jnp combine
-(``decode.combine_splits``) into 4 small launches after the kernel (~5 us of a ~28 us step).
-This script times the formulations below twice: the combine alone on the partials of a real
-case, and the whole decode step with ``decode.combine_splits`` swapped for the variant. Each is
-checked against ``combine_splits``. Columns: GPU busy time (CUPTI) and launches per call.
+The decode kernel combines its splits in a second Pallas launch (``decode.combine_kernel``,
+all splits of an output row in one load). This script times it against plain-jnp
+formulations, each swapped in for that launch: ``decode.combine_splits`` (its jnp statement,
+which XLA compiled into 2-4 small launches: the decode's combine until 2026-12-01) and the
+alternatives below. Each jnp formulation is checked against ``combine_splits``, every step's
+output against the XLA reference. Columns: the whole decode step's GPU busy time (CUPTI),
+launches per call and step time.
 
     python benchmarks/paged_combine.py            # H200; --smoke: tiny, interpret mode (CPU)
 """
@@ -88,6 +90,20 @@ CASES = [(1, 32768, 32, 4, 128, "bf16"), (1, 16384, 64, 8, 128, "bf16"),
 SMOKE_CASES = [(1, 700, 8, 2, 64, "bf16")]
 
 
+def _as_launch(fn):
+    """A jnp formulation in the place of ``decode._combine_pallas`` (flat partials in, flat
+    ``[B * Q * Hq, D]`` rows out)."""
+
+    def combine(o, lse, sinks, *, st, batch, out_dtype, interpret):
+        del interpret
+        qg = st.q_len * st.group
+        o = o.reshape(batch, st.num_kv_heads, st.num_splits, qg, st.head_dim)
+        lse = lse.reshape(batch, st.num_kv_heads, st.num_splits, qg)
+        return fn(o, lse, sinks, q_len=st.q_len).astype(out_dtype).reshape(-1, st.head_dim)
+
+    return combine
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -98,7 +114,7 @@ def main() -> None:
     pa.SMOKE = args.smoke
     rows = []
     key = jax.random.key(0)
-    original = decode.combine_splits
+    original = decode._combine_pallas
     for b, ctx, hq, hk, d, dtype in SMOKE_CASES if args.smoke else CASES:
         cache = pa.make_cache(key, b, ctx, hk, d, dtype)
         xs = pa.queries(key, b, hq, d)
@@ -108,14 +124,15 @@ def main() -> None:
         lse = jax.random.normal(kl, (b, hk, s, qg), jnp.float32) * 3
         lse = lse.at[:, :, -2:].set(-jnp.inf)  # empty splits
         sinks = jax.random.normal(ks, (hq,), jnp.float32)
-        for name in args.variants:
-            fn = VARIANTS[name]
+        for name in ["pallas", *args.variants]:
             row = dict(B=b, ctx=ctx, heads=f"{hq}/{hk}", kv=dtype, variant=name)
-            for sk in (None, sinks):
-                want = original(o, lse, sk, q_len=1)
-                err = float(jnp.max(jnp.abs(fn(o, lse, sk, q_len=1) - want)))
-                row["max_err" if sk is None else "max_err_sinks"] = err
-            decode.combine_splits = fn
+            if name != "pallas":
+                fn = VARIANTS[name]
+                for sk in (None, sinks):
+                    want = decode.combine_splits(o, lse, sk, q_len=1)
+                    err = float(jnp.max(jnp.abs(fn(o, lse, sk, q_len=1) - want)))
+                    row["max_err" if sk is None else "max_err_sinks"] = err
+                decode._combine_pallas = _as_launch(fn)
             jax.clear_caches()  # paged_decode is jitted: retrace it with this combine
             try:
                 # interpret mode has no SM count, hence one split: ask for 3
@@ -127,7 +144,7 @@ def main() -> None:
                     row["step_us"] = time_scan(fn, cache, xs, loops=8) * 1e6
                 out = step(cache, xs[0])
             finally:
-                decode.combine_splits = original
+                decode._combine_pallas = original
                 jax.clear_caches()
             ref = jax.jit(pa.ref_step(dtype, d))(cache, xs[0])
             row["step_rel_err"] = pa.rel_err(out, ref)
@@ -135,7 +152,7 @@ def main() -> None:
                 row.update(step_busy_us=busy[0] * 1e6, launches=busy[1])
             rows.append(row)
             print(table([row], list(row)), flush=True)
-    text = table(rows, list(rows[0]))
+    text = table(rows, list(dict.fromkeys(k for r in rows for k in r)))
     print(text)
     if args.out:
         args.out.write_text(text + "\n")

@@ -45,18 +45,19 @@ the halves in registers the kernel splits q into its even and odd columns and ke
 Splits and reduce. With ``num_splits == 1`` the program normalizes (sinks included) and writes
 the final ``[B, Q, Hq, D]`` rows itself: one launch. With ``S > 1`` each program writes its
 normalized partial ``o [B, Hk, S, Q*G, D]`` f32 and log-sum-exp ``[B, Hk, S, Q*G]`` f32 (-inf
-for an empty split), and a plain-jnp log-sum-exp reduce combines the splits and the sinks and
-transposes to ``[B, Q, Hq, D]``. The reduce is jnp, not a second Pallas kernel: XLA folds the
-sinks, the transpose and the output cast into its fusions (2 of them at S = 3, 4 at S = 66 on
-the H200: the max, the exponentials and their sum, the weighted sum, the division), and a
-Pallas combine kernel measured slower all the same (B = 1 32k: 2 launches instead of 5, but
-29.4 vs 27.8 us of GPU time and 49.8 vs 38.4 us a step; benchmarks/RESULTS.md, session 4). Its
-traffic is the partials written and read once, ``2 * S * Q*G / L`` of the bf16 KV bytes of a
-sequence of length L (3 % at B = 1, L = 32k, S = 66, Q*G = 8; far less at larger batch, where
-the heuristic picks fewer splits, and none at S = 1).
+for an empty split), and a second Pallas launch (``combine_kernel``) combines the splits with
+the sinks by log-sum-exp and writes the ``[B, Q, Hq, D]`` rows in the output dtype: one program
+per (partial row, block of columns), all S splits in one ``[next_pow2(S), columns]`` load.
+``combine_splits`` is its plain-jnp statement. Measured on the H200 (benchmarks/RESULTS.md,
+session 5), GPU time per step: B = 1 32k 27.8 -> 23.9 us, B = 1 16k 64/8 25.6 -> 23.1 us,
+B >= 8 unchanged, against the jnp combine, which XLA compiled into 2-4 small launches (a first
+Pallas combine, one program per row walking the splits 16 at a time, took 12 us alone).
+The partials' traffic is ``2 * S * Q*G / L`` of the bf16 KV bytes of a sequence of length L
+(3 % at B = 1, L = 32k, S = 66, Q*G = 8; far less at larger batch, where the heuristic picks
+fewer splits, and none at S = 1).
 
 The file reads top-down: helpers, the kernel body on refs, the ``pallas_call`` wrapper, the
-split reduce, the jitted public entry.
+split reduce (kernel, wrapper, jnp statement), the jitted public entry.
 """
 
 from __future__ import annotations
@@ -546,14 +547,73 @@ def _paged_decode_pallas(
     if st.num_splits == 1:
         return out.reshape(q.shape[:3] + (st.head_dim,))
     o, lse = out
-    o = o.reshape(b, st.num_kv_heads, st.num_splits, qg, st.head_dim)
-    lse = lse.reshape(b, st.num_kv_heads, st.num_splits, qg)
-    return combine_splits(o, lse, sinks, q_len=st.q_len).astype(out_dtype)
+    return _combine_pallas(o, lse, sinks, st=st, batch=b, out_dtype=out_dtype,
+                           interpret=interpret).reshape(q.shape[:3] + (st.head_dim,))
 
 
 # ---------------------------------------------------------------------------------------------
-# Split reduce.
+# Split reduce: a second, wide Pallas launch (``combine_splits`` is its jnp statement).
 # ---------------------------------------------------------------------------------------------
+
+COMBINE_TILE = 4096  # f32 elements of one combine program's [span, columns] tile of partials
+
+
+def combine_columns(num_splits: int, head_dim: int) -> tuple[int, int]:
+    """``(span, columns)`` of a combine program: all ``num_splits`` partials at once (``span``
+    = next power of two >= S, >= 2), over as many output columns as keep the tile within
+    ``COMBINE_TILE`` (>= 16; a power of two dividing ``head_dim``)."""
+    span = max(2, 1 << (num_splits - 1).bit_length())
+    return span, max(16, min(head_dim, COMBINE_TILE // span))
+
+
+def combine_kernel(o_ref, lse_ref, sinks_ref, out_ref, *, st: _Static, span: int, cols: int):
+    """Columns ``[c * cols, (c + 1) * cols)`` of one output row ``(b, q, h)`` of a split decode:
+    the log-sum-exp combination of its ``num_splits`` partial rows and the sink, read in one
+    ``[span, cols]`` load (no loop: one round trip to L2). Partial rows are ordered ``(b, kv
+    head, split, q * G + g)``; output rows ``(b, q, kv head * G + g)``."""
+    qg = st.q_len * st.group
+    row, c = pl.program_id(0), pl.program_id(1)  # row: (b, kv head, q * G + g)
+    div, rem = jax.lax.div, jax.lax.rem
+    r, bh = rem(row, qg), div(row, qg)  # bh = b * Hk + kv head
+    head = rem(bh, st.num_kv_heads) * st.group + rem(r, st.group)
+    out_row = (div(bh, st.num_kv_heads) * st.q_len + div(r, st.group)) * st.num_q_heads + head
+    s_idx = jnp.arange(span, dtype=jnp.int32)
+    ok = s_idx < st.num_splits
+    parts = bh * st.num_splits * qg + r + s_idx * qg  # [span] partial rows of this output row
+    cc = c * cols + jnp.arange(cols, dtype=jnp.int32)
+    lse = plgpu.load(lse_ref.at[parts], mask=ok, other=-jnp.inf)  # [span]
+    part = plgpu.load(o_ref.at[_grid(parts, cc)], mask=ok[:, None], other=0.0)  # [span, cols]
+    mx = jnp.max(lse)
+    if sinks_ref is not None:
+        sink = jnp.max(plgpu.load(sinks_ref.at[jnp.full((1,), head, jnp.int32)]))  # scalar
+        mx = jnp.maximum(mx, sink)
+    mx = jnp.where(mx > -jnp.inf, mx, 0.0)  # no split saw a key (and no sink)
+    w = jnp.exp(lse - mx)  # [span]; 0 past S and for empty splits
+    den = jnp.sum(w)
+    if sinks_ref is not None:
+        den = den + jnp.exp(sink - mx)
+    num = jnp.sum(w[:, None] * part, axis=0)  # [cols]
+    out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
+    plgpu.store(out_ref.at[jnp.full((1,), out_row, jnp.int32)[:, None], cc[None, :]],
+                out[None, :].astype(out_ref.dtype))
+
+
+def _combine_pallas(o, lse, sinks, *, st: _Static, batch: int, out_dtype, interpret: bool
+                    ) -> jax.Array:
+    """``combine_splits`` as one launch: ``[B * Q * Hq, D]`` rows from the partial ``o``
+    ``[B * Hk * S * Q * G, D]`` and ``lse`` ``[B * Hk * S * Q * G]``; grid (partial rows of
+    one split, column blocks)."""
+    span, cols = combine_columns(st.num_splits, st.head_dim)
+    rows = batch * st.num_kv_heads * st.q_len * st.group
+    return pl.pallas_call(
+        functools.partial(combine_kernel, st=st, span=span, cols=cols),
+        grid=(rows, st.head_dim // cols),
+        out_shape=jax.ShapeDtypeStruct((batch * st.q_len * st.num_q_heads, st.head_dim),
+                                       out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name=f"paged_decode_combine_d{st.head_dim}_s{st.num_splits}_c{cols}",
+    )(o, lse, None if sinks is None else sinks.astype(jnp.float32))
 
 
 def combine_splits(
@@ -563,7 +623,8 @@ def combine_splits(
     *,
     q_len: int,
 ) -> jax.Array:  # [B, Q, Hq, D] f32
-    """Log-sum-exp combination of the splits (and the sinks, denominator only)."""
+    """Log-sum-exp combination of the splits (and the sinks, denominator only): the plain-jnp
+    statement of ``combine_kernel`` (the tests' reference)."""
     b, hk, _, qg, d = o.shape
     g = qg // q_len
     mx = lse.max(axis=2)  # [B, Hk, Q*G]
