@@ -211,6 +211,25 @@ class TestKernelInterpret:
         arrays = expert_arrays(fmt, bias=variant.pop("bias", False))
         self.check(t, k, PATTERNS, x_dtype=x_dtype, config=config, **arrays, **variant)
 
+    @pytest.mark.parametrize("fmt", [FP8, NVFP4], ids=["fp8_block", "nvfp4"])
+    def test_f16_rows_scaled_by_their_own_amax(self, fmt):
+        """f16 dots scale each activation row by a power of two from its own amax (x's from
+        an XLA reduction, h's from gate_up's per-tile amax output): every (token, slot) row
+        matches the reference on its own, rows spanning 1e-4 .. 1e4 (a shared or stale amax
+        would push the small rows into f16 subnormals or the large ones past f16's range)."""
+        t, k = 6, 2
+        rng = np.random.default_rng(5)
+        x = rng.standard_normal((t, H)) * np.logspace(-4, 4, t)[:, None]
+        x = jnp.asarray(x.astype(ml_dtypes.bfloat16))
+        arrays = expert_arrays(fmt)
+        ids = routing("random", t, k, seed=2)
+        out = np.asarray(moe_decode_pairs(x, ids, config=F16_CONFIG, interpret=True, **arrays))
+        ref = np.asarray(moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **arrays))
+        for i in range(t):
+            for j in range(k):
+                assert rel_err(out[i, j], ref[i, j]) < 5e-3, (i, j, rel_err(out[i, j],
+                                                                         ref[i, j]))
+
     # ---- the combine: weighted k-way sum in f32, zero experts as identity ----
 
     def test_combined_output_with_zero_experts(self):

@@ -32,8 +32,12 @@ uint32 view ``[rows, K/2]``, split into its halves). With
 ``DecodeTile.f16_dot`` (FP8_BLOCK, NVFP4) the dot operands are f16: e4m3 -> f16 is exact and one
 conversion per two values on sm_90, NVFP4 codes become ``e2m1 * 2^-14`` by bit placement (in
 PTX on the GPU, two values per 32-bit op; the 2^14 goes into the global scale); each activation
-row is scaled by a power of two into ``[2^10, 2^11)`` (its amax over K, from a pre-pass over the
-chunk's rows) and the accumulator scaled back once, so bf16 activations pass exactly.
+row is scaled by a power of two into ``[2^10, 2^11)`` and the accumulator scaled back once, so
+bf16 activations pass exactly. The row's amax over K comes in with the activations: x's from a
+small XLA reduction before the launches, h's from the gate_up kernel, which also writes the
+amax of each h row over its column tile (``[P, I tiles]`` f32; the down kernel takes their
+max). Only the down kernel after a split gate_up, which activates its rows itself, walks them
+once first (this pre-pass, in both kernels, had cost ~10% of an FP8 / NVFP4 step on the H200).
 
 The file reads top-down: the plan, the kernel body on refs, the
 ``pallas_call`` wrapper, the combine, the jitted public entries.
@@ -211,6 +215,8 @@ class _Static:
     compute_dtype: jnp.dtype  # dot operand dtype
     inline_asm: bool  # GPU: NVFP4 f16 unpack in PTX (interpret mode: the same in jnp)
     w_pairs: bool  # w_ref is the uint16 view of 1-byte weights (pallas_kernels._offsets)
+    write_amax: bool = False  # gate_up before an f16-dot down: also write each h row's amax
+    #   over this program's columns ([P, column tiles] f32), the down kernel's row scales
     a_pairs: bool = False  # FP4: a_ref is the uint32 view [rows, K/2] of 16-bit activations
     #   (k = 2j low half, 2j + 1 high half): the even / odd K columns of a step in one
     #   contiguous load, instead of two stride-2 gathers that Triton reads element by element
@@ -220,17 +226,20 @@ def expert_matmul_kernel(
     work_ref,  # [3, U] int32: expert id (E: idle), first sorted row, row count
     row_map_ref,  # [P] int32 token of each sorted row (gate_up) | None (down)
     a_ref,  # [T, K] x (gate_up) | [P, K] h (down) | [S_in, P, 2, K] f32 (down, prologue)
+    amax_ref,  # f16 dots: [T, 1] x's row amax | [P, C] h's, per gate_up column tile (max over
+    #   C) | None (bf16/f32 dots; or down after a split gate_up: a pre-pass over the rows)
     w_ref,  # [E, halves, N, Kw] | [E, N, 2, Kw] (interleaved); Kw = K, or K/2 u8 (FP4)
     scale_ref,  # FP8: [E, cdiv(halves*N, b0), cdiv(K, b1)] f32 | FP4: as w_ref, K/16 or K/32
     global_ref,  # [E, R] f32 (NVFP4) | None
     bias_ref,  # as w_ref without the K axis | None
     o_ref,  # [S, P, G, N]: h (bf16/f32; G = 1) | gate, up partials (f32; G = 2) | y (f32)
-    *,
+    *amax_out_ref,  # st.write_amax: [P, cdiv(N, block_n)] f32, the amax of each h row's tile
     st: _Static,
 ):
     bm, bn, bk = st.block_m, st.block_n, st.block_k
     u = pl.program_id(0)
-    n0 = pl.program_id(1) * bn
+    n_tile = pl.program_id(1)
+    n0 = n_tile * bn
     split = pl.program_id(2)  # this program's K range: steps [kb_lo, kb_hi)
     num_steps = pl.cdiv(st.k, bk)
     per_split = pl.cdiv(num_steps, st.split_k)
@@ -354,8 +363,16 @@ def expert_matmul_kernel(
 
     def row_scales(src, row_mask):
         """f16 dots: powers of two ``(up, down)`` [bm] with ``amax * up`` in [2^10, 2^11) over
-        each row's whole K (a pre-pass over the chunk's rows, from L2), so that the K loop
-        only multiplies and the accumulator is scaled back once."""
+        each row's whole K, so that the K loop only multiplies and the accumulator is scaled
+        back once. The amax comes with the activations (``amax_ref``: one load); only the
+        down kernel after a split gate_up, whose rows are activated here, makes a pre-pass
+        over them (a serial walk over K, ~10% of an FP8 / NVFP4 step on the H200)."""
+        if amax_ref is not None:
+            c = jnp.arange(pl.next_power_of_2(amax_ref.shape[1]), dtype=jnp.int32)
+            pieces = plgpu.load(amax_ref.at[_grid(src, c)],
+                                mask=row_mask[:, None] & (c < amax_ref.shape[1])[None, :],
+                                other=0.0)  # [bm, C]
+            return _pow2_row_scales(jnp.max(pieces, axis=1))
 
         def body(kb, m):
             if st.a_pairs:
@@ -435,8 +452,16 @@ def expert_matmul_kernel(
             src = plgpu.load(row_map_ref.at[rows], mask=row_mask, other=0)  # [bm] tokens
         mask = row_mask[:, None] & col_mask[None, :] if n_ragged else row_mask[:, None]
         for g, out in enumerate(compute(src, row_mask)):
-            plgpu.store(o_ref.at[split, rows[:, None], jnp.int32(g), cols[None, :]],
-                        out.astype(o_ref.dtype), mask=mask)
+            out = out.astype(o_ref.dtype)
+            plgpu.store(o_ref.at[split, rows[:, None], jnp.int32(g), cols[None, :]], out,
+                        mask=mask)
+            if st.write_amax:  # of h as stored, as the down kernel reads it
+                mag = jnp.abs(out.astype(jnp.float32))
+                if n_ragged:
+                    mag = jnp.where(col_mask[None, :], mag, 0.0)
+                tile = jnp.full((1, 1), n_tile, jnp.int32)
+                plgpu.store(amax_out_ref[0].at[rows[:, None], tile],
+                            jnp.max(mag, axis=1)[:, None], mask=row_mask[:, None])
         return carry
 
     jax.lax.fori_loop(0, div(num_rows + bm - 1, bm), chunk, jnp.int32(0))
@@ -451,6 +476,7 @@ def _expert_matmul_pallas(
     work,  # [3, U] int32
     row_map,  # [P] int32 | None
     a,  # [T, K] | [P, K]
+    a_amax,  # [T, 1] | [P, C] f32 | None
     w,  # [E, halves, N, Kw] | [E, N, 2, Kw]
     scale,  # format-specific (see expert_matmul_kernel) | None
     global_scale,  # [E, R] f32 | None
@@ -468,16 +494,19 @@ def _expert_matmul_pallas(
     # (expert slots, column tiles, K ranges)
     grid = (work.shape[1], pl.cdiv(st.n, tile.block_n), st.split_k)
     planes = 2 if st.halves == 2 and st.activation is None else 1  # split gate_up: gate, up
+    out_shape = [jax.ShapeDtypeStruct((st.split_k, num_rows, planes, st.n), out_dtype)]
+    if st.write_amax:
+        out_shape.append(jax.ShapeDtypeStruct((num_rows, grid[1]), jnp.float32))
     return pl.pallas_call(
         functools.partial(expert_matmul_kernel, st=st),
         grid=grid,
-        out_shape=jax.ShapeDtypeStruct((st.split_k, num_rows, planes, st.n), out_dtype),
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=tile.num_warps,
                                              num_stages=tile.num_stages),
         interpret=interpret,
         name=(f"moe_decode_{name}_{st.fmt.value}{'_f16' if st.f16_dot else ''}"
               f"_bm{tile.block_m}_bn{tile.block_n}_bk{tile.block_k}_s{st.split_k}"),
-    )(work, row_map, a, w, scale, global_scale, bias)
+    )(work, row_map, a, a_amax, w, scale, global_scale, bias)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -560,9 +589,11 @@ def _split_halves(a, halves: int, layout: GateUpLayout):
     return a.reshape(e, halves, rows // halves, *a.shape[2:])
 
 
-def _launch(a, plan, wts: _Weights, *, fmt, halves, layout, activation, prologue, limit,
-            alpha, block_size, tile: DecodeTile, num_rows, out_dtype, h_dtype, interpret, name):
-    """One launch: ``[split_k, num_rows, planes, N]`` (planes 2: split gate_up partials)."""
+def _launch(a, a_amax, plan, wts: _Weights, *, fmt, halves, layout, activation, prologue,
+            limit, alpha, block_size, tile: DecodeTile, num_rows, out_dtype, h_dtype,
+            write_amax, interpret, name):
+    """One launch: ``[[split_k, num_rows, planes, N]]`` (planes 2: split gate_up partials),
+    and with ``write_amax`` the h rows' amax per column tile ``[num_rows, N tiles]``."""
     n = wts.w.shape[1] // halves
     k = a.shape[-1]
     layout = layout if halves == 2 else GateUpLayout.CONCATENATED
@@ -578,14 +609,15 @@ def _launch(a, plan, wts: _Weights, *, fmt, halves, layout, activation, prologue
         block_n=tile.block_n, block_k=tile.block_k, swap_ab=tile.swap_ab,
         f16_dot=tile.f16_dot, fp8_block=tuple(block_size), global_rows=wts.global_rows,
         compute_dtype=h_dtype if prologue is not None else jnp.dtype(a.dtype),
-        inline_asm=not interpret, w_pairs=w_pairs,
+        inline_asm=not interpret, w_pairs=w_pairs, write_amax=write_amax,
         a_pairs=(fmt in (WeightFormat.NVFP4, WeightFormat.MXFP4) and prologue is None
                  and jnp.dtype(a.dtype).itemsize == 2))
     if st.a_pairs:
         a = jax.lax.bitcast_convert_type(a.reshape(a.shape[0], k // 2, 2), jnp.uint32)
     check_offsets(dict(a=a, w=w, scale=scale, global_scale=wts.global_scale, bias=bias))
     return _expert_matmul_pallas(
-        plan.work, plan.token_of_row if st.gather_rows else None, a, w, scale,
+        plan.work, plan.token_of_row if st.gather_rows else None, a,
+        a_amax if tile.f16_dot else None, w, scale,
         wts.global_scale, bias,
         st=st, tile=tile, num_rows=num_rows, out_dtype=out_dtype, interpret=interpret,
         name=name)
@@ -675,12 +707,18 @@ def _experts(x, expert_ids, gate_up, down, *, fmt, gate_up_scale, gate_up_global
     common = dict(fmt=fmt, layout=layout, limit=limit, alpha=alpha, block_size=block_size,
                   num_rows=p, h_dtype=h_dtype, interpret=interpret)
     split = config.gate_up.split_k > 1  # gate_up partials, activated in down's prologue
-    h = _launch(x, plan, gu, halves=2, tile=config.gate_up, name="gate_up",
-                out_dtype=jnp.float32 if split else h_dtype, activation=None if split else
-                activation, prologue=None, **common)  # [S1, P, 2, I] | [1, P, 1, I]
+    # f16 dots scale each activation row by a power of two from its amax: x's here (one small
+    # XLA reduction), h's from gate_up's epilogue (per column tile) unless gate_up is split.
+    x_amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True)  # [T, 1]
+    h, *h_amax = _launch(
+        x, x_amax, plan, gu, halves=2, tile=config.gate_up, name="gate_up",
+        out_dtype=jnp.float32 if split else h_dtype, activation=None if split else activation,
+        prologue=None, write_amax=config.down.f16_dot and not split,
+        **common)  # [S1, P, 2, I] | [1, P, 1, I]
     h = h if split else h.reshape(p, inter)
-    y = _launch(h, plan, dn, halves=1, tile=config.down, out_dtype=jnp.float32, name="down",
-                activation=None, prologue=activation if split else None, **common)
+    (y,) = _launch(h, h_amax[0] if h_amax else None, plan, dn, halves=1, tile=config.down,
+                   out_dtype=jnp.float32, name="down", activation=None,
+                   prologue=activation if split else None, write_amax=False, **common)
     return y.reshape(config.down.split_k, p, hidden), plan  # [S2, P, H]
 
 
