@@ -29,6 +29,7 @@ from atlas_jax.config import Format
 from pallas_kernels.grouped_matmul.config import WeightFormat
 from pallas_kernels.moe_decode import (
     DecodeTile,
+    ExtraExperts,
     MoEDecodeConfig,
     choose_decode_config,
     combine_reference,
@@ -229,6 +230,64 @@ class TestKernelInterpret:
             for j in range(k):
                 assert rel_err(out[i, j], ref[i, j]) < 5e-3, (i, j, rel_err(out[i, j],
                                                                          ref[i, j]))
+
+    # ---- a second expert stack read by the same launches (the shared expert folded in) ----
+
+    @pytest.mark.parametrize("t,fmt,variant", [
+        (1, BF16, dict(activation="silu", limit=0.3, bias=True)),
+        (3, FP8, dict(f16=True)),
+        (8, NVFP4, dict(GPT_OSS, bias=True, f16=True)),
+        (2, MXFP4, dict()),
+    ], ids=["T1-bf16-bias", "T3-fp8-f16", "T8-nvfp4-gpt_oss-bias-f16", "T2-mxfp4"])
+    def test_extra_stack(self, t, fmt, variant):
+        """The last two experts of a stack passed as ``extra`` (ids E - 2, E - 1 name them)
+        equal the whole stack: routed pairs on both stacks, a shared column (every token on
+        expert E - 1, as a folded shared expert), zero experts (ids >= E), and the combine."""
+        variant = dict(variant)
+        config = F16_CONFIG if variant.pop("f16", False) else TEST_CONFIG
+        full = expert_arrays(fmt, bias=variant.pop("bias", False))
+        stacks = {n: full[n] for n in full if n not in ("fmt", "block_size")}
+        main = {n: (None if a is None else a[:E - 2]) for n, a in stacks.items()}
+        extra = ExtraExperts(**{n: (None if a is None else a[E - 2:]) for n, a in stacks.items()})
+        x = make_x(t)
+        kw = dict(fmt=fmt, block_size=FP8_BLOCK, **variant)
+        for i, pattern in enumerate(("random", "last_expert", "zero_experts")):
+            ids = routing(pattern, t, 2, seed=i)
+            ids = jnp.concatenate([ids, jnp.full((t, 1), E - 1, jnp.int32)], axis=1)
+            out = moe_decode_pairs(x, ids, config=config, interpret=True, extra=extra, **main,
+                                   **kw)
+            ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **stacks, **kw)
+            try:
+                assert_pairs_close(out, ref, ids)
+            except AssertionError as e:
+                raise AssertionError(f"routing pattern {pattern!r}: {e}") from None
+        w = jnp.asarray(np.random.default_rng(1).uniform(size=ids.shape), jnp.float32)
+        got = moe_decode(x, ids, w, config=config, interpret=True, extra=extra, **main, **kw)
+        want = combine_reference(ref, x, ids, w, E)
+        assert rel_err(got, want) < 2e-3, rel_err(got, want)
+
+    def test_extra_stack_must_match(self):
+        full = expert_arrays(NVFP4)
+        main = dict(gate_up=full["gate_up"][:4], down=full["down"][:4],
+                    gate_up_scale=full["gate_up_scale"][:4], down_scale=full["down_scale"][:4],
+                    gate_up_global_scale=full["gate_up_global_scale"][:4],
+                    down_global_scale=full["down_global_scale"][:4])
+        x, ids = make_x(2), routing("random", 2, 2)
+        ok = dict(gate_up=full["gate_up"][4:], down=full["down"][4:],
+                  gate_up_scale=full["gate_up_scale"][4:], down_scale=full["down_scale"][4:],
+                  gate_up_global_scale=full["gate_up_global_scale"][4:],
+                  down_global_scale=full["down_global_scale"][4:])
+        bad = [
+            (dict(ok, down=full["down"][4:, :, :-16]), ValueError, "extra_down: expected shape"),
+            (dict(ok, gate_up_global_scale=full["gate_up_global_scale"][4:, :1]), ValueError,
+             "row segments"),
+            (dict(ok, down_bias=jnp.zeros((2, H), jnp.float32)), ValueError, "one stack only"),
+            (dict(ok, gate_up_scale=None), ValueError, "extra_gate_up_scale"),
+        ]
+        for arrays, err, match in bad:
+            with pytest.raises(err, match=match):
+                moe_decode_pairs(x, ids, fmt=NVFP4, interpret=True, config=TEST_CONFIG,
+                                 extra=ExtraExperts(**arrays), **main)
 
     # ---- the combine: weighted k-way sum in f32, zero experts as identity ----
 
@@ -496,6 +555,62 @@ def test_shared_expert_decode_kernels_equal_dense(shared_fmt, tokens, kernels):
     jaxpr = str(jax.make_jaxpr(functools.partial(shared_experts, kernels=PALLAS_DECODE,
                                                  decode=True))(p, x))
     assert jaxpr.count("pallas_call") == (2 if kernels else 0)
+
+
+@pytest.mark.parametrize("name,fmt,shared_size,tokens,folds", [
+    ("deepseek_v3", Format.NVFP4, None, 9, True),  # shared expert = a routed expert's shapes
+    ("qwen2_shared", Format.BF16, 32, 3, True),  # gated shared expert
+    ("deepseek_v3", Format.FP8_BLOCK, None, 17, False),  # more than one 16-row chunk
+    ("qwen2_shared", Format.BF16, 48, 3, False),  # another intermediate size
+])
+def test_shared_expert_folds_into_routed_launches(name, fmt, shared_size, tokens, folds):
+    """A decode step of up to 16 tokens whose shared expert has the routed experts' format
+    and shapes reads it in the routed launches (2 Pallas launches in the traced step, not 4
+    or an XLA dense path), with the XLA decode and prefill paths' result."""
+    from atlas_jax.moe.experts import shared_folds
+
+    extra = {} if shared_size is None else dict(shared_intermediate_size=shared_size)
+    p = _make(name=name, fmt=fmt, dtype=jnp.bfloat16, **extra)
+    assert shared_folds(p, tokens, PALLAS_DECODE) == folds
+    assert not shared_folds(p, tokens, XLA_DECODE)
+    x = moe_tokens(tokens)
+    f = jax.jit(aj.moe_forward, static_argnames="kernels")
+    y = f(p, x, kernels=PALLAS_DECODE)
+    chex.assert_tree_all_finite(y)
+    assert rel_err(y, f(p, x, kernels=XLA_DECODE)) < 1e-2
+    assert rel_err(y, f(p, x, kernels=XLA_PREFILL)) < 1e-2
+    jaxpr = str(jax.make_jaxpr(functools.partial(aj.moe_forward, kernels=PALLAS_DECODE))(p, x))
+    shared_launches = 0 if folds or fmt not in (Format.NVFP4, Format.MXFP4) else 2
+    assert jaxpr.count("pallas_call") == 2 + shared_launches
+
+
+def test_ops_moe_decode_extra_stack():
+    """``ops.moe_decode``'s extra stack: XLA and Pallas agree with running the concatenated
+    stack; a mismatched extra stack is a ValueError naming the reason."""
+    p = _make(name="deepseek_v3", fmt=Format.MXFP4, dtype=jnp.bfloat16)
+    x = moe_tokens(4)
+    ids = jnp.asarray(np.array([[0, 8], [8, 3], [7, 9], [8, 8]]), jnp.int32)  # 8: extra, 9: zero
+    extra = (p.shared_gate_up.stacked(), p.shared_down.stacked())
+
+    def stack(a, b):  # [E] + [1] -> [E + 1] experts
+        cat = lambda u, v: None if u is None else jnp.concatenate([u, v])  # noqa: E731
+        return dataclasses.replace(a, data=cat(a.data, b.data), scale=cat(a.scale, b.scale),
+                                   global_scale=cat(a.global_scale, b.global_scale),
+                                   shape=(a.shape[0] + 1, *a.shape[1:]))
+
+    whole = (stack(p.gate_up, extra[0]), stack(p.down, extra[1]))
+    f = jax.jit(aj.ops.moe_decode, static_argnames="kernels")
+    got_xla = f(x, ids, p.gate_up, p.down, extra=extra, kernels=XLA_DECODE)
+    got_pallas = f(x, ids, p.gate_up, p.down, extra=extra, kernels=PALLAS_DECODE)
+    chex.assert_shape(got_xla, (4, 2, 64))
+    assert rel_err(got_pallas, got_xla) < 1e-2
+    np.testing.assert_array_equal(np.asarray(got_xla)[2, 1], 0.0)  # id 9: a zero expert
+    want = f(x, ids, *whole, kernels=XLA_DECODE)
+    np.testing.assert_allclose(got_xla, want, rtol=1e-5, atol=1e-5)
+    bad = (p.shared_gate_up.stacked(), dataclasses.replace(
+        p.shared_down.stacked(), format=Format.FP8_BLOCK))
+    with pytest.raises(ValueError, match="extra down is fp8_block"):
+        aj.ops.moe_decode(x, ids, p.gate_up, p.down, extra=bad)
 
 
 def test_ops_moe_decode_auto_and_errors():

@@ -13,6 +13,7 @@ from atlas_jax.moe.params import MoEParams
 from atlas_jax.moe.routing import Routing
 from atlas_jax.ops.activation import GateUp, gated_activation
 from atlas_jax.ops.grouped_matmul import compute_dtype
+from atlas_jax.ops.moe_decode import extra_unsupported_reason
 from atlas_jax.quant import QTensor, dequantize
 
 
@@ -32,16 +33,32 @@ def routed_experts_prefill(params: MoEParams, x: jax.Array, r: Routing,
 
 
 def routed_experts_decode(params: MoEParams, x: jax.Array, r: Routing,
-                          kernels: KernelConfig | None = None) -> jax.Array:
+                          kernels: KernelConfig | None = None, *,
+                          fold_shared: bool = False) -> jax.Array:
     """Few tokens: read only the distinct selected experts (at most min(E, T*k) of them), once
     (``ops.moe_decode``: XLA gather+einsum or the Pallas expert-major kernels, by
-    ``kernels.grouped_matmul``), then combine. [T, H] f32 out."""
+    ``kernels.grouped_matmul``), then combine. [T, H] f32 out.
+
+    ``fold_shared`` (``shared_folds``): the shared expert is read by the same launches, as
+    ``ops.moe_decode``'s extra stack that every token selects once more (id E), and its gated
+    output is added here."""
     cfg = params.config
+    e = cfg.num_experts
     t, k = r.expert_ids.shape
-    pairs = ops.moe_decode(x, r.expert_ids, params.gate_up, params.down,
+    ids, extra = r.expert_ids, None
+    if fold_shared:
+        routed = (ids >= 0) & (ids < e)
+        ids = jnp.concatenate([jnp.where(routed, ids, e + 1),  # zero experts stay outside
+                               jnp.full((t, 1), e, ids.dtype)], axis=1)
+        extra = (params.shared_gate_up.stacked(), params.shared_down.stacked())
+    pairs = ops.moe_decode(x, ids, params.gate_up, params.down,
                            gate_up_bias=params.gate_up_bias, down_bias=params.down_bias,
-                           epilogue=GateUp.of(cfg), kernels=kernels)  # [T, k, H] f32
-    return combine(pairs.reshape(t * k, -1), x, r, cfg.num_experts)
+                           epilogue=GateUp.of(cfg), kernels=kernels,
+                           extra=extra)  # [T, k (+1), H] f32
+    y = combine(pairs[:, :k].reshape(t * k, -1), x, r, e)
+    if fold_shared:
+        y = y + _shared_gated(params, x, pairs[:, k])
+    return y
 
 
 def dense_mlp(x: jax.Array, gate_up: QTensor, down: QTensor, cfg: MoEConfig) -> jax.Array:
@@ -61,6 +78,26 @@ def dense_mlp(x: jax.Array, gate_up: QTensor, down: QTensor, cfg: MoEConfig) -> 
 #   format at 32-64 tokens: the kernels re-read the weights per 16-row chunk (83-578 vs 43-157).
 SHARED_KERNEL_FORMATS = (Format.NVFP4, Format.MXFP4)
 SHARED_KERNEL_MAX_TOKENS = 8
+
+
+# A decode step of up to this many tokens reads a shared expert with the routed experts'
+# format and shapes in the routed launches (one 16-row chunk of the kernels: more rows would
+# re-read its weights per chunk, as in the 32-64 token rows above).
+SHARED_FOLD_MAX_TOKENS = 16
+
+
+def shared_folds(params: MoEParams, num_tokens: int, kernels: KernelConfig | None) -> bool:
+    """Whether a decode step of ``num_tokens`` folds the shared expert into the routed
+    launches (``routed_experts_decode(fold_shared=True)``): the Pallas decode kernels run the
+    routed experts, and the shared expert has their format, per-expert shapes and scale
+    layout (``ops.moe_decode``'s ``extra_unsupported_reason``)."""
+    gu, dn = params.shared_gate_up, params.shared_down
+    if gu is None or num_tokens > SHARED_FOLD_MAX_TOKENS:
+        return False
+    if ops.moe_decode_backend(params.gate_up, params.down, kernels) is not Backend.PALLAS:
+        return False
+    return extra_unsupported_reason(params.gate_up, params.down, (gu.stacked(), dn.stacked()),
+                                    params.gate_up_bias, params.down_bias) is None
 
 
 def shared_expert_uses_kernels(shared: QTensor, num_tokens: int) -> bool:
@@ -88,7 +125,12 @@ def shared_experts(params: MoEParams, x: jax.Array, kernels: KernelConfig | None
                            kernels=kernels)[:, 0]
     else:
         y = dense_mlp(x, gu, dn, cfg)
-    if params.shared_gate is not None:
-        g = jnp.einsum("th,oh->to", x.astype(jnp.float32), params.shared_gate.astype(jnp.float32))
-        y = y * jax.nn.sigmoid(g)
-    return y
+    return _shared_gated(params, x, y)
+
+
+def _shared_gated(params: MoEParams, x: jax.Array, y: jax.Array) -> jax.Array:
+    """The shared expert's output ``y`` times sigmoid(x . w_gate) where the config has a gate."""
+    if params.shared_gate is None:
+        return y
+    g = jnp.einsum("th,oh->to", x.astype(jnp.float32), params.shared_gate.astype(jnp.float32))
+    return y * jax.nn.sigmoid(g)

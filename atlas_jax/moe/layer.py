@@ -7,7 +7,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from atlas_jax.config import KernelConfig, MoEPath
-from atlas_jax.moe.experts import routed_experts_decode, routed_experts_prefill, shared_experts
+from atlas_jax.moe.experts import (
+    routed_experts_decode,
+    routed_experts_prefill,
+    shared_experts,
+    shared_folds,
+)
 from atlas_jax.moe.parallel import moe_forward_parallel
 from atlas_jax.moe.params import MoEParams
 from atlas_jax.moe.routing import check_tokens, rms_normalize, route
@@ -52,10 +57,11 @@ def moe_forward(
         xe = (rms_normalize(x2, cfg.rms_norm_eps) * params.pre_expert_norm.astype(jnp.float32)
               ).astype(x.dtype)
     decode = choose_path(x2.shape[0], kernels) is MoEPath.DECODE
+    fold = decode and shared_folds(params, x2.shape[0], kernels)
     if decode:
-        y = routed_experts_decode(params, xe, r, kernels)
+        y = routed_experts_decode(params, xe, r, kernels, fold_shared=fold)
     else:
         y = routed_experts_prefill(params, xe, r, kernels)
-    if params.shared_gate_up is not None:
+    if params.shared_gate_up is not None and not fold:
         y = y + shared_experts(params, xe, kernels, decode=decode)
     return y.astype(x.dtype).reshape(x.shape)

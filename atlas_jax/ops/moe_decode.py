@@ -11,9 +11,11 @@ them, with no host sync:
 - "pallas" (``pallas_kernels.moe_decode``): expert-major kernels reading each selected expert's
   quantized weights once, dequantizing in registers, with the gate_up epilogue fused.
 
-The shared expert is not part of this op's stack: ``moe.experts.shared_experts`` runs it, in
-its own format, through this op as a one-expert stack when the Pallas kernels are chosen
-(decode), else through XLA's dense path.
+``extra``: a second expert stack (``(gate_up, down)``, ``[E2, ...]``) whose experts the ids
+``E .. E + E2 - 1`` name: a model's shared expert folded into the routed step
+(``moe.experts.shared_folds``), read by the same two launches. It needs the main stack's
+format, per-expert shapes and scale layout and no biases (``extra_unsupported_reason``).
+Otherwise the shared expert runs on its own (``moe.experts.shared_experts``).
 """
 
 from __future__ import annotations
@@ -78,6 +80,24 @@ def unsupported_reason(gate_up: QTensor, down: QTensor) -> str | None:
     return None
 
 
+def extra_unsupported_reason(gate_up: QTensor, down: QTensor, extra: tuple[QTensor, QTensor],
+                             gate_up_bias=None, down_bias=None) -> str | None:
+    """Why ``extra`` cannot be read by the same launches as ``gate_up`` / ``down``, or None."""
+    if gate_up_bias is not None or down_bias is not None:
+        return "the main stack has biases (the extra stack has none)"
+    for name, w, x in (("gate_up", gate_up, extra[0]), ("down", down, extra[1])):
+        if x.format is not w.format:
+            return f"extra {name} is {x.format.value}, the main stack {w.format.value}"
+        if len(x.shape) != 3 or x.shape[1:] != w.shape[1:]:
+            return f"extra {name} is {x.shape}, the main stack's experts are {w.shape[1:]}"
+        if x.block != w.block or x.data.dtype != w.data.dtype:
+            return f"extra {name}'s block or dtype differs from the main stack's"
+        if (w.global_scale is not None
+                and x.global_scale.shape[-1] != w.global_scale.shape[-1]):
+            return f"extra {name}'s global scale has another number of row segments"
+    return None
+
+
 def moe_decode_pallas(
     x: jax.Array,
     expert_ids: jax.Array,
@@ -86,8 +106,9 @@ def moe_decode_pallas(
     gate_up_bias: jax.Array | None = None,
     down_bias: jax.Array | None = None,
     epilogue: GateUp | None = None,
+    extra: tuple[QTensor, QTensor] | None = None,
 ) -> jax.Array:  # [T, k, H] float32
-    from pallas_kernels.moe_decode import moe_decode_pairs
+    from pallas_kernels.moe_decode import ExtraExperts, moe_decode_pairs
 
     reason = unsupported_reason(gate_up, down)
     if reason is not None:
@@ -98,6 +119,12 @@ def moe_decode_pallas(
               interpret=interpret_mode())
     if gate_up.format is Format.FP8_BLOCK:
         kw["block_size"] = tuple(gate_up.block)
+    if extra is not None:
+        xg, xd = extra
+        kw["extra"] = ExtraExperts(
+            gate_up=xg.data, down=xd.data, gate_up_scale=xg.scale,
+            gate_up_global_scale=xg.global_scale, down_scale=xd.scale,
+            down_global_scale=xd.global_scale)
     return moe_decode_pairs(
         x.astype(compute_dtype(x)), expert_ids.astype(jnp.int32), gate_up.data, down.data,
         gate_up_scale=gate_up.scale, gate_up_global_scale=gate_up.global_scale,
@@ -145,6 +172,7 @@ def moe_decode(
     down_bias: jax.Array | None = None,  # [E, H]
     epilogue: GateUp | None = None,  # activation and gate/up layout (default SwiGLU, concat)
     kernels: KernelConfig | None = None,  # .grouped_matmul picks the implementation
+    extra: tuple[QTensor, QTensor] | None = None,  # [E2, 2I, H], [E2, H, I]: ids E..E+E2-1
 ) -> jax.Array:  # [T, k, H] float32, zero-expert pairs 0
     """Each (token, slot) pair's routed-expert output, reading only the selected experts.
 
@@ -153,9 +181,18 @@ def moe_decode(
     once in a log line).
     """
     _check(x, expert_ids, gate_up, down, gate_up_bias, down_bias)
+    if extra is not None:
+        reason = extra_unsupported_reason(gate_up, down, extra, gate_up_bias, down_bias)
+        if reason is not None:
+            raise ValueError(f"moe_decode: extra: {reason}")
     args = (x, expert_ids, gate_up, down, gate_up_bias, down_bias, epilogue)
     match decode_backend(gate_up, down, kernels):
         case Backend.XLA:
-            return moe_decode_reference(*args)
+            pairs = moe_decode_reference(*args)
+            if extra is None:
+                return pairs
+            e, e2 = gate_up.shape[0], extra[0].shape[0]
+            ids = jnp.where(expert_ids >= e, expert_ids - e, e2)  # main-stack ids: zero
+            return pairs + moe_decode_reference(x, ids, *extra, epilogue=epilogue)
         case Backend.PALLAS:
-            return moe_decode_pallas(*args)
+            return moe_decode_pallas(*args, extra=extra)

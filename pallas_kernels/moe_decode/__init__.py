@@ -2,7 +2,8 @@
 FP8-block / NVFP4 / MXFP4 weights.
 
 ``kernel.moe_decode`` (combined ``[T, H]``) and ``kernel.moe_decode_pairs`` (per pair
-``[T, k, H]``) are the Pallas (Triton lowering) implementation; ``reference`` holds the
+``[T, k, H]``) are the Pallas (Triton lowering) implementation (``ExtraExperts``: a second
+stack, the shared expert, read by the same launches); ``reference`` holds the
 plain-jnp ones. Weight formats, activations and gate/up layouts are the grouped matmul's enums.
 """
 
@@ -15,6 +16,7 @@ from pallas_kernels.moe_decode.config import (
 )
 from pallas_kernels.moe_decode.kernel import (
     DecodePlan,
+    ExtraExperts,
     combine,
     make_plan,
     moe_decode,
@@ -30,6 +32,7 @@ from pallas_kernels.moe_decode.reference import (
 __all__ = [
     "DecodePlan",
     "DecodeTile",
+    "ExtraExperts",
     "MoEDecodeConfig",
     "choose_decode_config",
     "choose_tile",

@@ -59,7 +59,7 @@ from pallas_kernels._dequant import e2m1_to_f32 as _e2m1_to_f32
 from pallas_kernels._dequant import e8m0_to_f32 as _e8m0_to_f32
 from pallas_kernels._dequant import fp4x4_to_f16_scaled as _fp4x4_to_f16_scaled
 from pallas_kernels._device import device_kind, device_sm_count
-from pallas_kernels._offsets import check_offsets, pair_view_if_overflowing
+from pallas_kernels._offsets import check_offsets, pair_view, pair_view_if_overflowing
 from pallas_kernels.grouped_matmul.config import (
     MXFP4_GROUP,
     NVFP4_GROUP,
@@ -215,6 +215,8 @@ class _Static:
     compute_dtype: jnp.dtype  # dot operand dtype
     inline_asm: bool  # GPU: NVFP4 f16 unpack in PTX (interpret mode: the same in jnp)
     w_pairs: bool  # w_ref is the uint16 view of 1-byte weights (pallas_kernels._offsets)
+    main_experts: int | None = None  # an extra stack (the shared expert) follows expert ids
+    #   [0, main_experts) of the main one (None: no extra stack)
     write_amax: bool = False  # gate_up before an f16-dot down: also write each h row's amax
     #   over this program's columns ([P, column tiles] f32), the down kernel's row scales
     a_pairs: bool = False  # FP4: a_ref is the uint32 view [rows, K/2] of 16-bit activations
@@ -223,6 +225,38 @@ class _Static:
 
 
 def expert_matmul_kernel(
+    work_ref,  # [3, U] int32: expert id (E: idle), first sorted row, row count
+    row_map_ref,  # [P] int32 token of each sorted row (gate_up) | None (down)
+    a_ref,
+    amax_ref,
+    *refs,  # the main stack's (w, scale, global, bias), [the extra stack's], o, [amax out]
+    st: _Static,
+):
+    """One (expert slot, column tile, K range) program. With an extra stack (``st.main_experts``
+    set: the shared expert folded into the routed launch) expert ids from ``main_experts`` on
+    name the extra stack's experts, and the program runs the body on that stack's refs."""
+    u, n_tile, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    e = work_ref[0, u]
+    common = (u, n_tile, split, work_ref, row_map_ref, a_ref, amax_ref)
+    if st.main_experts is None:
+        _expert_body(e, *common, *refs, st=st)
+        return
+    main, extra, outs = refs[:4], refs[4:8], refs[8:]
+
+    @pl.when(e < st.main_experts)
+    def _():
+        _expert_body(e, *common, *main, *outs, st=st)
+
+    @pl.when(e >= st.main_experts)  # idle slots too (E total): their row count is 0
+    def _():
+        _expert_body(e - st.main_experts, *common, *extra, *outs, st=st)
+
+
+def _expert_body(
+    e,  # this program's expert, an index into w_ref's stack
+    u,  # expert slot
+    n_tile,  # column tile
+    split,  # this program's K range: steps [kb_lo, kb_hi)
     work_ref,  # [3, U] int32: expert id (E: idle), first sorted row, row count
     row_map_ref,  # [P] int32 token of each sorted row (gate_up) | None (down)
     a_ref,  # [T, K] x (gate_up) | [P, K] h (down) | [S_in, P, 2, K] f32 (down, prologue)
@@ -237,15 +271,11 @@ def expert_matmul_kernel(
     st: _Static,
 ):
     bm, bn, bk = st.block_m, st.block_n, st.block_k
-    u = pl.program_id(0)
-    n_tile = pl.program_id(1)
     n0 = n_tile * bn
-    split = pl.program_id(2)  # this program's K range: steps [kb_lo, kb_hi)
     num_steps = pl.cdiv(st.k, bk)
     per_split = pl.cdiv(num_steps, st.split_k)
     kb_lo = split * per_split
     kb_hi = jnp.minimum(kb_lo + per_split, num_steps)
-    e = work_ref[0, u]
     first = work_ref[1, u]
     num_rows = work_ref[2, u]  # 0 for an idle slot: no chunk runs
 
@@ -481,6 +511,7 @@ def _expert_matmul_pallas(
     scale,  # format-specific (see expert_matmul_kernel) | None
     global_scale,  # [E, R] f32 | None
     bias,  # [E, halves, N] | [E, N, 2] | None
+    extra,  # the extra stack's (w, scale, global_scale, bias), as the main one's | None
     *,
     st: _Static,
     tile: DecodeTile,
@@ -505,8 +536,9 @@ def _expert_matmul_pallas(
                                              num_stages=tile.num_stages),
         interpret=interpret,
         name=(f"moe_decode_{name}_{st.fmt.value}{'_f16' if st.f16_dot else ''}"
-              f"_bm{tile.block_m}_bn{tile.block_n}_bk{tile.block_k}_s{st.split_k}"),
-    )(work, row_map, a, a_amax, w, scale, global_scale, bias)
+              f"_bm{tile.block_m}_bn{tile.block_n}_bk{tile.block_k}_s{st.split_k}"
+              f"{'_x' if extra else ''}"),
+    )(work, row_map, a, a_amax, w, scale, global_scale, bias, *(extra or ()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -589,18 +621,27 @@ def _split_halves(a, halves: int, layout: GateUpLayout):
     return a.reshape(e, halves, rows // halves, *a.shape[2:])
 
 
-def _launch(a, a_amax, plan, wts: _Weights, *, fmt, halves, layout, activation, prologue,
-            limit, alpha, block_size, tile: DecodeTile, num_rows, out_dtype, h_dtype,
-            write_amax, interpret, name):
+def _launch(a, a_amax, plan, wts: _Weights, extra: _Weights | None, *, fmt, halves, layout,
+            activation, prologue, limit, alpha, block_size, tile: DecodeTile, num_rows,
+            out_dtype, h_dtype, write_amax, interpret, name):
     """One launch: ``[[split_k, num_rows, planes, N]]`` (planes 2: split gate_up partials),
-    and with ``write_amax`` the h rows' amax per column tile ``[num_rows, N tiles]``."""
+    and with ``write_amax`` the h rows' amax per column tile ``[num_rows, N tiles]``. Expert
+    ids from ``wts``' E on name ``extra``'s experts (same format and per-expert shapes)."""
     n = wts.w.shape[1] // halves
     k = a.shape[-1]
     layout = layout if halves == 2 else GateUpLayout.CONCATENATED
     w, w_pairs = pair_view_if_overflowing("w", _split_halves(wts.w, halves, layout))
-    scale = wts.scale if fmt is WeightFormat.FP8_BLOCK else _split_halves(wts.scale, halves,
-                                                                         layout)
-    bias = _split_halves(wts.bias, halves, layout)
+
+    def operands(stack: _Weights, w):
+        scale = stack.scale if fmt is WeightFormat.FP8_BLOCK else _split_halves(
+            stack.scale, halves, layout)
+        return w, scale, stack.global_scale, _split_halves(stack.bias, halves, layout)
+
+    main = operands(wts, w)
+    extra_ops = None
+    if extra is not None:
+        w2 = _split_halves(extra.w, halves, layout)
+        extra_ops = operands(extra, pair_view(w2) if w_pairs else w2)
     st = _Static(
         fmt=fmt, halves=halves, layout=layout,
         activation=activation, limit=limit, alpha=float(alpha),
@@ -610,15 +651,18 @@ def _launch(a, a_amax, plan, wts: _Weights, *, fmt, halves, layout, activation, 
         f16_dot=tile.f16_dot, fp8_block=tuple(block_size), global_rows=wts.global_rows,
         compute_dtype=h_dtype if prologue is not None else jnp.dtype(a.dtype),
         inline_asm=not interpret, w_pairs=w_pairs, write_amax=write_amax,
+        main_experts=None if extra is None else wts.w.shape[0],
         a_pairs=(fmt in (WeightFormat.NVFP4, WeightFormat.MXFP4) and prologue is None
                  and jnp.dtype(a.dtype).itemsize == 2))
     if st.a_pairs:
         a = jax.lax.bitcast_convert_type(a.reshape(a.shape[0], k // 2, 2), jnp.uint32)
-    check_offsets(dict(a=a, w=w, scale=scale, global_scale=wts.global_scale, bias=bias))
+    for prefix, ops in (("", main), ("extra_", extra_ops or ())):
+        check_offsets({f"{prefix}{nm}": v for nm, v in zip(
+            ("w", "scale", "global_scale", "bias"), ops, strict=False)})
+    check_offsets(dict(a=a))
     return _expert_matmul_pallas(
         plan.work, plan.token_of_row if st.gather_rows else None, a,
-        a_amax if tile.f16_dot else None, w, scale,
-        wts.global_scale, bias,
+        a_amax if tile.f16_dot else None, *main, extra_ops,
         st=st, tile=tile, num_rows=num_rows, out_dtype=out_dtype, interpret=interpret,
         name=name)
 
@@ -654,9 +698,53 @@ _STATIC = ("fmt", "activation", "gate_up_layout", "limit", "alpha", "block_size"
            "config", "interpret")
 
 
+class ExtraExperts(NamedTuple):
+    """A second expert stack that the same two launches read: a model's shared expert folded
+    into the routed step (one program per (expert, column tile) either way, so the shared
+    expert's weights are read by as many programs as a routed expert's, in the same waves).
+    Expert ids ``E .. E + E2 - 1`` name its experts. Same format as the main stack, with the
+    same per-expert shapes, FP8 block, NVFP4 row segments and bias presence."""
+
+    gate_up: jax.Array  # [E2, 2I, H] | [E2, 2I, H//2] u8 (FP4)
+    down: jax.Array  # [E2, H, I] | [E2, H, I//2] u8 (FP4)
+    gate_up_scale: jax.Array | None = None
+    gate_up_global_scale: jax.Array | None = None
+    gate_up_bias: jax.Array | None = None
+    down_scale: jax.Array | None = None
+    down_global_scale: jax.Array | None = None
+    down_bias: jax.Array | None = None
+
+
+def _check_extra(extra: ExtraExperts, gu: _Weights, dn: _Weights, *, fmt, hidden, inter,
+                 block_size) -> tuple[_Weights, _Weights]:
+    """Validates the extra stack against the main one's format arrays (ValueError naming the
+    ``extra_`` argument)."""
+    if not isinstance(extra, ExtraExperts):
+        raise TypeError(f"extra: expected ExtraExperts, got {type(extra).__name__}")
+    if extra.gate_up.ndim != 3:
+        raise ValueError(f"extra_gate_up: expected rank 3, got shape {extra.gate_up.shape}")
+    e2 = extra.gate_up.shape[0]
+    out = []
+    for name, main, n, k in (("gate_up", gu, 2 * inter, hidden), ("down", dn, hidden, inter)):
+        arrs = [getattr(extra, f"{name}{sfx}") for sfx in ("", "_scale", "_global_scale",
+                                                             "_bias")]
+        wts = _check_weights(f"extra_{name}", *arrs, fmt=fmt, num_experts=e2, n=n, k=k,
+                             block_size=block_size)
+        if wts.global_rows != main.global_rows:
+            raise ValueError(f"extra_{name}_global_scale: {n // wts.global_rows} row segments, "
+                             f"the main stack has {n // main.global_rows}")
+        if (wts.bias is None) != (main.bias is None):
+            raise ValueError(f"extra_{name}_bias: given for one stack only")
+        if wts.w.dtype != main.w.dtype:
+            raise TypeError(f"extra_{name}: dtype {wts.w.dtype}, the main stack's is "
+                            f"{main.w.dtype}")
+        out.append(wts)
+    return out[0], out[1]
+
+
 def _experts(x, expert_ids, gate_up, down, *, fmt, gate_up_scale, gate_up_global_scale,
              gate_up_bias, down_scale, down_global_scale, down_bias, activation,
-             gate_up_layout, limit, alpha, block_size, h_dtype, config, interpret):
+             gate_up_layout, limit, alpha, block_size, h_dtype, config, interpret, extra):
     """Validates, plans and runs both launches: (y_sorted [S, P, H] f32 partials, plan)."""
     fmt = WeightFormat.coerce(fmt)
     activation = Activation.coerce(activation)
@@ -689,6 +777,11 @@ def _experts(x, expert_ids, gate_up, down, *, fmt, gate_up_scale, gate_up_global
                         fmt=fmt, num_experts=e, n=two_i, k=hidden, block_size=block_size)
     dn = _check_weights("down", down, down_scale, down_global_scale, down_bias, fmt=fmt,
                         num_experts=e, n=hidden, k=inter, block_size=block_size)
+    xgu = xdn = None
+    if extra is not None:
+        xgu, xdn = _check_extra(extra, gu, dn, fmt=fmt, hidden=hidden, inter=inter,
+                                block_size=block_size)
+    e_all = e + (0 if extra is None else extra.gate_up.shape[0])
     if h_dtype is None:
         h_dtype = jnp.float32 if x.dtype == jnp.float32 else jnp.bfloat16
     h_dtype = jnp.dtype(h_dtype)
@@ -696,13 +789,13 @@ def _experts(x, expert_ids, gate_up, down, *, fmt, gate_up_scale, gate_up_global
         raise NotImplementedError(f"h_dtype: {h_dtype} not supported (bf16, f16, f32)")
     if config is None:
         config = choose_decode_config(
-            t, expert_ids.shape[1], e, hidden, inter, fmt, fp8_block=block_size,
+            t, expert_ids.shape[1], e_all, hidden, inter, fmt, fp8_block=block_size,
             x_itemsize=x.dtype.itemsize, sm_count=device_sm_count(), device_kind=device_kind())
     if not isinstance(config, MoEDecodeConfig):
         raise ValueError(f"config: expected a MoEDecodeConfig, got {config!r}")
     config.check_format(fmt, fp8_block=block_size)
 
-    plan = make_plan(expert_ids, e)
+    plan = make_plan(expert_ids, e_all)
     p = plan.token_of_row.shape[0]
     common = dict(fmt=fmt, layout=layout, limit=limit, alpha=alpha, block_size=block_size,
                   num_rows=p, h_dtype=h_dtype, interpret=interpret)
@@ -711,12 +804,12 @@ def _experts(x, expert_ids, gate_up, down, *, fmt, gate_up_scale, gate_up_global
     # XLA reduction), h's from gate_up's epilogue (per column tile) unless gate_up is split.
     x_amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True)  # [T, 1]
     h, *h_amax = _launch(
-        x, x_amax, plan, gu, halves=2, tile=config.gate_up, name="gate_up",
+        x, x_amax, plan, gu, xgu, halves=2, tile=config.gate_up, name="gate_up",
         out_dtype=jnp.float32 if split else h_dtype, activation=None if split else activation,
         prologue=None, write_amax=config.down.f16_dot and not split,
         **common)  # [S1, P, 2, I] | [1, P, 1, I]
     h = h if split else h.reshape(p, inter)
-    (y,) = _launch(h, h_amax[0] if h_amax else None, plan, dn, halves=1, tile=config.down,
+    (y,) = _launch(h, h_amax[0] if h_amax else None, plan, dn, xdn, halves=1, tile=config.down,
                    out_dtype=jnp.float32, name="down", activation=None,
                    prologue=activation if split else None, write_amax=False, **common)
     return y.reshape(config.down.split_k, p, hidden), plan  # [S2, P, H]
@@ -744,6 +837,7 @@ def moe_decode_pairs(
     h_dtype=None,  # intermediate h between the launches: bf16 (f32 for f32 x)
     config: MoEDecodeConfig | None = None,
     interpret: bool = False,
+    extra: ExtraExperts | None = None,  # a second stack: expert ids E .. E + E2 - 1
 ) -> jax.Array:
     """Routed expert outputs of each (token, slot) pair, ``[T, k, H]`` f32 (zero experts: 0).
 
@@ -759,7 +853,8 @@ def moe_decode_pairs(
         gate_up_global_scale=gate_up_global_scale, gate_up_bias=gate_up_bias,
         down_scale=down_scale, down_global_scale=down_global_scale, down_bias=down_bias,
         activation=activation, gate_up_layout=gate_up_layout, limit=limit, alpha=alpha,
-        block_size=block_size, h_dtype=h_dtype, config=config, interpret=interpret)
+        block_size=block_size, h_dtype=h_dtype, config=config, interpret=interpret,
+        extra=extra)
     return pairs_of(y, plan)
 
 
@@ -786,6 +881,7 @@ def moe_decode(
     h_dtype=None,
     config: MoEDecodeConfig | None = None,
     interpret: bool = False,
+    extra: ExtraExperts | None = None,
 ) -> jax.Array:
     """The routed experts' combined output ``sum_j weights[t, j] * expert_j(x[t])``, ``[T, H]``
     f32; zero experts contribute ``weights[t, j] * x[t]``. Keywords as ``moe_decode_pairs``."""
@@ -797,5 +893,6 @@ def moe_decode(
         gate_up_global_scale=gate_up_global_scale, gate_up_bias=gate_up_bias,
         down_scale=down_scale, down_global_scale=down_global_scale, down_bias=down_bias,
         activation=activation, gate_up_layout=gate_up_layout, limit=limit, alpha=alpha,
-        block_size=block_size, h_dtype=h_dtype, config=config, interpret=interpret)
+        block_size=block_size, h_dtype=h_dtype, config=config, interpret=interpret,
+        extra=extra)
     return combine(y, plan, x, weights)
