@@ -290,9 +290,10 @@ def bench(shapes, formats, token_counts, *, hbm: float, loops: int,
 
 
 def bench_shared(shapes, formats, token_counts, *, hbm: float, loops: int) -> list[dict]:
-    """Where folding the shared expert pays: the step with it and without it, and the shared
-    expert alone through the decode kernels (one-expert stack; what moe_forward runs) and
-    through XLA's dense path."""
+    """What the shared expert costs: the step with it (folded into the routed launches where
+    ``moe.experts.shared_folds`` says so) and without it, and the shared expert alone through
+    the decode kernels as a one-expert stack (moe_forward's path for FP4 shared experts it does
+    not fold) and through XLA's dense path."""
     from atlas_jax.moe.experts import shared_experts
 
     rows = []

@@ -559,14 +559,15 @@ def test_shared_expert_decode_kernels_equal_dense(shared_fmt, tokens, kernels):
 
 @pytest.mark.parametrize("name,fmt,shared_size,tokens,folds", [
     ("deepseek_v3", Format.NVFP4, None, 9, True),  # shared expert = a routed expert's shapes
-    ("qwen2_shared", Format.BF16, 32, 3, True),  # gated shared expert
+    ("qwen2_shared", Format.FP8_BLOCK, 32, 3, True),  # gated shared expert
     ("deepseek_v3", Format.FP8_BLOCK, None, 17, False),  # more than one 16-row chunk
-    ("qwen2_shared", Format.BF16, 48, 3, False),  # another intermediate size
+    ("qwen2_shared", Format.NVFP4, 48, 3, False),  # another intermediate size
+    ("deepseek_v3", Format.BF16, None, 3, False),  # a format not measured folded
 ])
 def test_shared_expert_folds_into_routed_launches(name, fmt, shared_size, tokens, folds):
     """A decode step of up to 16 tokens whose shared expert has the routed experts' format
-    and shapes reads it in the routed launches (2 Pallas launches in the traced step, not 4
-    or an XLA dense path), with the XLA decode and prefill paths' result."""
+    (FP8 or NVFP4) and shapes reads it in the routed launches (2 Pallas launches in the traced
+    step, not 4 or an XLA dense path), with the XLA decode and prefill paths' result."""
     from atlas_jax.moe.experts import shared_folds
 
     extra = {} if shared_size is None else dict(shared_intermediate_size=shared_size)

@@ -39,6 +39,13 @@ amax of each h row over its column tile (``[P, I tiles]`` f32; the down kernel t
 max). Only the down kernel after a split gate_up, which activates its rows itself, walks them
 once first (this pre-pass, in both kernels, had cost ~10% of an FP8 / NVFP4 step on the H200).
 
+An extra stack (``ExtraExperts``: a model's shared expert, same format and per-expert shapes)
+is read by the same two launches: the caller gives each token one more pair with expert id
+``E`` (ids ``E .. E + E2 - 1`` name the extra stack), the plan gives it a slot like any routed
+expert, and its programs run the kernel body on the extra stack's refs (``pl.when`` on the
+slot's expert id). So the shared expert's weights are read by as many programs as a routed
+expert's, in the same waves, instead of by a launch of its own that cannot fill the GPU.
+
 The file reads top-down: the plan, the kernel body on refs, the
 ``pallas_call`` wrapper, the combine, the jitted public entries.
 """
