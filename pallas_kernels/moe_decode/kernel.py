@@ -825,7 +825,7 @@ def _experts(x, expert_ids, gate_up, down, *, fmt, gate_up_scale, gate_up_global
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def moe_decode_pairs(
     x: jax.Array,  # [T, H] bf16/f16/f32
-    expert_ids: jax.Array,  # [T, k] int; outside [0, E): zero expert (skipped)
+    expert_ids: jax.Array,  # [T, k] int; outside [0, E (+ E2, extra)): zero expert (skipped)
     gate_up: jax.Array,  # [E, 2I, H] | [E, 2I, H//2] u8 (FP4)
     down: jax.Array,  # [E, H, I] | [E, H, I//2] u8 (FP4)
     *,
@@ -868,7 +868,8 @@ def moe_decode_pairs(
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def moe_decode(
     x: jax.Array,  # [T, H] bf16/f16/f32
-    expert_ids: jax.Array,  # [T, k] int; outside [0, E): zero expert (identity in the combine)
+    expert_ids: jax.Array,  # [T, k] int; outside [0, E (+ E2)): zero expert (identity in the
+    #   combine)
     weights: jax.Array,  # [T, k] routing weights
     gate_up: jax.Array,  # [E, 2I, H] | [E, 2I, H//2] u8 (FP4)
     down: jax.Array,  # [E, H, I] | [E, H, I//2] u8 (FP4)
