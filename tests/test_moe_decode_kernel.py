@@ -567,22 +567,23 @@ def test_shared_expert_decode_kernels_equal_dense(shared_fmt, tokens, kernels):
 def test_shared_expert_folds_into_routed_launches(name, fmt, shared_size, tokens, folds):
     """A decode step of up to 16 tokens whose shared expert has the routed experts' format
     (FP8 or NVFP4) and shapes reads it in the routed launches (2 Pallas launches in the traced
-    step, not 4 or an XLA dense path), with the XLA decode and prefill paths' result."""
+    step, not 4 or an XLA dense path), with the XLA decode path's result. (The steps that do
+    not fold run the tests above.)"""
     from atlas_jax.moe.experts import shared_folds
 
     extra = {} if shared_size is None else dict(shared_intermediate_size=shared_size)
     p = _make(name=name, fmt=fmt, dtype=jnp.bfloat16, **extra)
     assert shared_folds(p, tokens, PALLAS_DECODE) == folds
     assert not shared_folds(p, tokens, XLA_DECODE)
+    if not folds:
+        return
     x = moe_tokens(tokens)
     f = jax.jit(aj.moe_forward, static_argnames="kernels")
     y = f(p, x, kernels=PALLAS_DECODE)
     chex.assert_tree_all_finite(y)
     assert rel_err(y, f(p, x, kernels=XLA_DECODE)) < 1e-2
-    assert rel_err(y, f(p, x, kernels=XLA_PREFILL)) < 1e-2
     jaxpr = str(jax.make_jaxpr(functools.partial(aj.moe_forward, kernels=PALLAS_DECODE))(p, x))
-    shared_launches = 0 if folds or fmt not in (Format.NVFP4, Format.MXFP4) else 2
-    assert jaxpr.count("pallas_call") == 2 + shared_launches
+    assert jaxpr.count("pallas_call") == 2
 
 
 def test_ops_moe_decode_extra_stack():
