@@ -668,8 +668,7 @@ def _launch(a, a_amax, plan, wts: _Weights, extra: _Weights | None, *, fmt, halv
             ("w", "scale", "global_scale", "bias"), ops, strict=False)})
     check_offsets(dict(a=a))
     return _expert_matmul_pallas(
-        plan.work, plan.token_of_row if st.gather_rows else None, a,
-        a_amax if tile.f16_dot else None, *main, extra_ops,
+        plan.work, plan.token_of_row if st.gather_rows else None, a, a_amax, *main, extra_ops,
         st=st, tile=tile, num_rows=num_rows, out_dtype=out_dtype, interpret=interpret,
         name=name)
 
@@ -809,7 +808,8 @@ def _experts(x, expert_ids, gate_up, down, *, fmt, gate_up_scale, gate_up_global
     split = config.gate_up.split_k > 1  # gate_up partials, activated in down's prologue
     # f16 dots scale each activation row by a power of two from its amax: x's here (one small
     # XLA reduction), h's from gate_up's epilogue (per column tile) unless gate_up is split.
-    x_amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True)  # [T, 1]
+    x_amax = (jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True)  # [T, 1]
+              if config.gate_up.f16_dot else None)
     h, *h_amax = _launch(
         x, x_amax, plan, gu, xgu, halves=2, tile=config.gate_up, name="gate_up",
         out_dtype=jnp.float32 if split else h_dtype, activation=None if split else activation,

@@ -562,7 +562,7 @@ def combine_columns(num_splits: int, head_dim: int) -> tuple[int, int]:
     """``(span, columns)`` of a combine program: all ``num_splits`` partials at once (``span``
     = next power of two >= S, >= 2), over as many output columns as keep the tile within
     ``COMBINE_TILE`` (>= 16; a power of two dividing ``head_dim``)."""
-    span = max(2, 1 << (num_splits - 1).bit_length())
+    span = max(2, pl.next_power_of_2(num_splits))
     return span, max(16, min(head_dim, COMBINE_TILE // span))
 
 
