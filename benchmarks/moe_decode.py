@@ -190,7 +190,7 @@ def _check_kernels(e, h, inter, t, k) -> list[dict]:
         base = choose_decode_config(t, k, e, h, inter, fmt.value, fp8_block=gu.block,
                                     sm_count=device_sm_count(), device_kind=device_kind())
         variants = {"heuristic": base}
-        if fmt in (Format.FP8_BLOCK, Format.NVFP4):
+        if fmt is not Format.BF16:  # every quantized format has an f16-dot route
             for f16 in (False, True):
                 variants[f"f16_dot={f16}"] = MoEDecodeConfig(
                     dataclasses.replace(base.gate_up, f16_dot=f16),
@@ -289,13 +289,23 @@ def bench(shapes, formats, token_counts, *, hbm: float, loops: int,
     return rows
 
 
+SHARED_COLUMNS = ["shape", "format", "tokens", "shared_MB", "shared_bound_us", "rule",
+                  "step_folded_us", "step_own_path_us", "step_no_shared_us", "shared_folded_us",
+                  "shared_own_path_us", "kernels_us", "xla_dense_us"]
+
+
 def bench_shared(shapes, formats, token_counts, *, hbm: float, loops: int) -> list[dict]:
-    """What the shared expert costs: the step with it (folded into the routed launches where
-    ``moe.experts.shared_folds`` says so) and without it, and the shared expert alone through
-    the decode kernels as a one-expert stack (moe_forward's path for FP4 shared experts it does
-    not fold) and through XLA's dense path."""
+    """What the shared expert costs: the step with it folded into the routed launches and with
+    it on its own path (both timed, whatever ``moe.experts.shared_folds`` picks: the A/B of that
+    rule; ``rule`` says which one moe_forward takes), without it, and the shared expert alone
+    through the decode kernels as a one-expert stack (moe_forward's own path for FP4 shared
+    experts) and through XLA's dense path."""
+    from unittest import mock
+
+    from atlas_jax.moe import experts
     from atlas_jax.moe.experts import shared_experts
 
+    step = functools.partial(aj.moe_forward, kernels=PALLAS)
     rows = []
     for shape in shapes:
         if not (SHAPES | SWEEP_ONLY | TINY)[shape][4].get("shared_intermediate_size"):
@@ -308,22 +318,32 @@ def bench_shared(shapes, formats, token_counts, *, hbm: float, loops: int) -> li
             sb = shared_bytes(p)
             for tokens in token_counts:
                 xs = token_sets(tokens, p.config.hidden_size)
+                folds = experts.shared_folds(p, tokens, PALLAS)
                 row = dict(shape=shape, format=name, tokens=tokens, shared_MB=sb / 1e6,
-                           shared_bound_us=sb / hbm * 1e6)
-                for label, fn, params in (
-                        ("step_us", functools.partial(aj.moe_forward, kernels=PALLAS), p),
-                        ("step_no_shared_us", functools.partial(aj.moe_forward, kernels=PALLAS),
-                         bare),
-                        ("kernels_us", functools.partial(shared_experts, kernels=PALLAS,
-                                                         decode=True), p),
-                        ("xla_dense_us", functools.partial(shared_experts, kernels=PALLAS,
-                                                           decode=False), p)):
+                           shared_bound_us=sb / hbm * 1e6,
+                           rule="folded" if folds else "own path")
+                timings = [("step_own_path_us", step, p, ()),
+                           ("step_no_shared_us", step, bare, ()),
+                           ("kernels_us", functools.partial(shared_experts, kernels=PALLAS,
+                                                            decode=True), p, ()),
+                           ("xla_dense_us", functools.partial(shared_experts, kernels=PALLAS,
+                                                              decode=False), p, ())]
+                if tokens <= experts.SHARED_FOLD_MAX_TOKENS:
+                    timings.insert(0, ("step_folded_us", step, p, tuple(Format)))
+                else:
+                    row["step_folded_us"] = f"n/a (> {experts.SHARED_FOLD_MAX_TOKENS} tokens)"
+                for label, fn, params, fold_formats in timings:
                     try:
-                        row[label] = time_scan(fn, params, xs, loops=loops) * 1e6
+                        # the rule's format list set to every format / to none
+                        with mock.patch.object(experts, "SHARED_FOLD_FORMATS", fold_formats):
+                            row[label] = time_scan(fn, params, xs, loops=loops) * 1e6
                     except Exception as err:  # report in the table, do not hide
                         row[label] = f"{type(err).__name__}: {str(err)[:60]}"
-                if all(isinstance(row[c], float) for c in ("step_us", "step_no_shared_us")):
-                    row["shared_in_step_us"] = row["step_us"] - row["step_no_shared_us"]
+                for path in ("folded", "own_path"):
+                    if all(isinstance(row.get(c), float)
+                           for c in (f"step_{path}_us", "step_no_shared_us")):
+                        row[f"shared_{path}_us"] = (row[f"step_{path}_us"]
+                                                    - row["step_no_shared_us"])
                 rows.append(row)
                 print(table([row], list(row)), flush=True)
             del p, bare
@@ -331,9 +351,11 @@ def bench_shared(shapes, formats, token_counts, *, hbm: float, loops: int) -> li
     return rows
 
 
-def sweep(shapes, formats, token_counts, *, hbm: float, loops: int) -> list[dict]:
-    """The kernels alone (routing precomputed) with tile variants around the heuristic's."""
-    rows = []
+def sweep(shapes, formats, token_counts, *, hbm: float, loops: int,
+          only: list[str] | None = None) -> list[dict]:
+    """The kernels alone (routing precomputed) with tile variants around the heuristic's
+    (``only``: just these variants besides the heuristic's)."""
+    rows, seen = [], set()
     for shape in shapes:
         for name in formats:
             p = make_layer(shape, FORMATS[name])
@@ -357,7 +379,11 @@ def sweep(shapes, formats, token_counts, *, hbm: float, loops: int) -> list[dict
                     gu.format.value, fp8_block=gu.block, sm_count=device_sm_count(),
                     device_kind=device_kind())
                 inputs = [(x, r.expert_ids, r.weights) for x, r in zip(xs, routes, strict=True)]
-                for label, config in _variants(base).items():
+                variants = _variants(base)
+                seen.update(variants)
+                for label, config in variants.items():
+                    if only and label != "heuristic" and label not in only:
+                        continue
                     fn = functools.partial(moe_decode, config=config, **static)
 
                     def run(consts, inp, fn=fn):
@@ -374,6 +400,9 @@ def sweep(shapes, formats, token_counts, *, hbm: float, loops: int) -> list[dict
                     print(table([rows[-1]], list(rows[-1])), flush=True)
             del p
             gc.collect()
+    unknown = sorted(set(only or ()) - seen)
+    if unknown:
+        sys.exit(f"--variants: no sweep variant named {unknown}; the variants: {sorted(seen)}")
     return rows
 
 
@@ -432,6 +461,9 @@ def main() -> None:
     parser.add_argument("--no-shared", action="store_true",
                         help="skip the shared-expert section (DeepSeek-V3 shape)")
     parser.add_argument("--sweep", action="store_true", help="also time tile variants")
+    parser.add_argument("--variants", nargs="+", metavar="NAME",
+                        help="--sweep: only these variants besides the heuristic's (names as "
+                             "in the sweep table, e.g. 'bf16 dots' 'split_k x2')")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--out", type=Path, help="write the markdown tables here")
     args = parser.parse_args()
@@ -473,9 +505,9 @@ def main() -> None:
         shrows = bench_shared(shapes, formats, token_counts, hbm=hbm, loops=loops)
         if shrows:
             lines += ["### Shared expert (decode kernels as a one-expert stack vs XLA dense)", "",
-                      table(shrows, list(shrows[0])), ""]
+                      table(shrows, SHARED_COLUMNS), ""]
     if args.sweep:
-        srows = sweep(shapes, formats, token_counts, hbm=hbm, loops=loops)
+        srows = sweep(shapes, formats, token_counts, hbm=hbm, loops=loops, only=args.variants)
         lines += ["### Tile sweep (kernels alone, routing precomputed)", "",
                   table(srows, ["shape", "format", "tokens", "variant", "us", "frac_hbm"]), ""]
     text = "\n".join(lines)

@@ -54,6 +54,18 @@ def e8m0_to_f32(bits):
     return jax.lax.bitcast_convert_type(bits << 23, jnp.float32)
 
 
+def e8m0_step_to_f16(d):
+    """int32 exponent steps ``d <= 0`` -> float16 ``2^d`` by bit placement: normal for
+    ``d >= -14``, subnormal down to ``2^-24``, 0 below. The MXFP4 f16 route's factor of a scale
+    block relative to the largest scale of its K step (``2^(s - s_max)``): multiplied into
+    ``e2m1 * 2^-14`` it is exact for ``d >= -9`` (the product's lowest bit, ``2^(-15 + d)``,
+    stays >= 2^-24); further below, f16 rounds the product to a multiple of 2^-24."""
+    normal = (jnp.maximum(d, -14) + 15) << 10
+    sub = jnp.left_shift(1, jnp.clip(d + 24, 0, 9))
+    bits = jnp.where(d >= -14, normal, jnp.where(d >= -24, sub, 0))
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.int16), jnp.float16)
+
+
 def e2m1_to_f16_scaled(codes):
     """int32 E2M1 codes (low 4 bits) -> float16 ``e2m1 * 2^-14``, by bit placement.
 

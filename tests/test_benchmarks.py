@@ -54,6 +54,10 @@ def test_cpu_smoke_mode(args, tmp_path):
     assert timed, text[-3000:]
     for cell in timed:  # our kernels' times: numbers, not an error written into the cell
         assert float(cell) > 0, text[-3000:]
+    if "moe_decode" in args[0]:  # the shared-expert A/B: both paths of the fold rule timed
+        for name in ("step_folded_us", "step_own_path_us"):
+            cells = _column(text, name)
+            assert cells and all(float(c) > 0 for c in cells), text[-3000:]
 
 
 def _column(text: str, name: str) -> list[str]:

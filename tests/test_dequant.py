@@ -115,3 +115,18 @@ def test_nvfp4_f16_products_exact(dot_dtype):
     exact = E2M1[:, None] * 2.0**-14 * scales
     np.testing.assert_array_equal(prod.astype(np.float64), exact)
     np.testing.assert_array_equal(prod.astype(dot_dtype).astype(np.float64), exact)
+
+
+def test_e8m0_step_to_f16_and_mxfp4_products():
+    """``2^d`` for every step d in [-40, 0] (0 below 2^-24); the products with ``e2m1 *
+    2^-14`` are exact for d >= -9 and within half an f16 subnormal step (2^-25) below."""
+    d = np.arange(-40, 1, dtype=np.int32)
+    got = np.asarray(dq.e8m0_step_to_f16(jnp.asarray(d)))
+    assert got.dtype == np.float16
+    want = np.where(d >= -24, np.exp2(d.astype(np.float64)), 0.0)
+    np.testing.assert_array_equal(got.astype(np.float64), want)
+    vals = np.asarray(dq.e2m1_to_f16_scaled(jnp.asarray(CODES16)))[:, None]  # [16, 1]
+    prod = (vals * got[None, :]).astype(np.float64)  # f16 products
+    exact = E2M1[:, None] * 2.0**-14 * np.exp2(d.astype(np.float64))[None, :]
+    np.testing.assert_array_equal(prod[:, d >= -9], exact[:, d >= -9])
+    assert np.abs(prod - exact).max() <= 2.0**-25

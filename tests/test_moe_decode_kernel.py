@@ -104,7 +104,7 @@ CASES = [  # (T, k, format, variant)
     (2, 2, NVFP4, dict(activation="gelu_tanh", bias=True)),
     (33, 2, NVFP4, dict(GPT_OSS, f16=True)),
     (1, 4, MXFP4, dict()),
-    (3, 2, MXFP4, dict(GPT_OSS, bias=True)),
+    (3, 2, MXFP4, dict(GPT_OSS, bias=True, f16=True)),
 ]
 CASE_IDS = [f"T{t}-k{k}-{fmt.value}-" + "-".join(
     f"{n}={getattr(v, '__name__', v)}" for n, v in variant.items() if n != "gate_up_layout")
@@ -114,26 +114,27 @@ PATTERNS = ("random", "repeated", "one_expert", "zero_experts", "all_zero", "dup
             "last_expert")
 
 
-def make_weights(rng, fmt: WeightFormat, n: int, k: int, *, global_rows: int = 1) -> dict:
-    """Random (never all-zero) ``[E, n, k]`` weights of one format, drawn with numpy (no XLA
+def make_weights(rng, fmt: WeightFormat, n: int, k: int, *, global_rows: int = 1,
+                 e: int = E) -> dict:
+    """Random (never all-zero) ``[e, n, k]`` weights of one format, drawn with numpy (no XLA
     compiles): the kernel's keyword arrays ``w``, ``scale``, ``global_scale``."""
     match fmt:
         case WeightFormat.BF16:
-            w = rng.standard_normal((E, n, k), np.float32) / np.sqrt(k)
+            w = rng.standard_normal((e, n, k), np.float32) / np.sqrt(k)
             return dict(w=jnp.asarray(w.astype(ml_dtypes.bfloat16)))
         case WeightFormat.FP8_BLOCK:
-            w = (64.0 * rng.standard_normal((E, n, k), np.float32)).astype(ml_dtypes.float8_e4m3fn)
-            s_shape = (E, -(-n // FP8_BLOCK[0]), -(-k // FP8_BLOCK[1]))
+            w = (64.0 * rng.standard_normal((e, n, k), np.float32)).astype(ml_dtypes.float8_e4m3fn)
+            s_shape = (e, -(-n // FP8_BLOCK[0]), -(-k // FP8_BLOCK[1]))
             s = rng.uniform(0.5, 2.0, s_shape).astype(np.float32) / (64.0 * np.sqrt(k))
             return dict(w=jnp.asarray(w), scale=jnp.asarray(s))
         case WeightFormat.NVFP4:
-            w = rng.integers(0, 256, (E, n, k // 2), np.uint8)
-            s = rng.uniform(0.25, 4.0, (E, n, k // 16)).astype(ml_dtypes.float8_e4m3fn)
-            g = rng.uniform(0.5, 1.5, (E, global_rows)).astype(np.float32) / np.sqrt(k)
+            w = rng.integers(0, 256, (e, n, k // 2), np.uint8)
+            s = rng.uniform(0.25, 4.0, (e, n, k // 16)).astype(ml_dtypes.float8_e4m3fn)
+            g = rng.uniform(0.5, 1.5, (e, global_rows)).astype(np.float32) / np.sqrt(k)
             return dict(w=jnp.asarray(w), scale=jnp.asarray(s), global_scale=jnp.asarray(g))
         case WeightFormat.MXFP4:
-            w = rng.integers(0, 256, (E, n, k // 2), np.uint8)
-            s = rng.integers(122, 126, (E, n, k // 32), np.uint8)
+            w = rng.integers(0, 256, (e, n, k // 2), np.uint8)
+            s = rng.integers(122, 126, (e, n, k // 32), np.uint8)
             return dict(w=jnp.asarray(w), scale=jnp.asarray(s))
 
 
@@ -212,17 +213,23 @@ class TestKernelInterpret:
         arrays = expert_arrays(fmt, bias=variant.pop("bias", False))
         self.check(t, k, PATTERNS, x_dtype=x_dtype, config=config, **arrays, **variant)
 
-    @pytest.mark.parametrize("fmt", [FP8, NVFP4], ids=["fp8_block", "nvfp4"])
+    @pytest.mark.parametrize("fmt", [FP8, NVFP4, MXFP4], ids=["fp8_block", "nvfp4", "mxfp4"])
     def test_f16_rows_scaled_by_their_own_amax(self, fmt):
         """f16 dots scale each activation row by a power of two from its own amax (x's from
         an XLA reduction, h's from gate_up's per-tile amax output): every (token, slot) row
         matches the reference on its own, rows spanning 1e-4 .. 1e4 (a shared or stale amax
-        would push the small rows into f16 subnormals or the large ones past f16's range)."""
+        would push the small rows into f16 subnormals or the large ones past f16's range).
+        MXFP4: scales spread over 2^-50 .. 2^10 (the f16 route scales each K step by its
+        largest, so a step's small blocks fall to f16 subnormals or 0, which must not show)."""
         t, k = 6, 2
         rng = np.random.default_rng(5)
         x = rng.standard_normal((t, H)) * np.logspace(-4, 4, t)[:, None]
         x = jnp.asarray(x.astype(ml_dtypes.bfloat16))
-        arrays = expert_arrays(fmt)
+        arrays = dict(expert_arrays(fmt))
+        if fmt is MXFP4:
+            for name in ("gate_up_scale", "down_scale"):
+                spread = rng.integers(77, 138, arrays[name].shape).astype(np.uint8)
+                arrays[name] = jnp.asarray(spread)
         ids = routing("random", t, k, seed=2)
         out = np.asarray(moe_decode_pairs(x, ids, config=F16_CONFIG, interpret=True, **arrays))
         ref = np.asarray(moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **arrays))
@@ -428,7 +435,7 @@ def test_config_heuristic():
     for fmt in WeightFormat:
         gpu = choose_decode_config(8, 8, 256, 7168, 2048, fmt, sm_count=132)
         gpu.check_format(fmt)
-        assert gpu.gate_up.f16_dot == (fmt in (WeightFormat.FP8_BLOCK, WeightFormat.NVFP4))
+        assert gpu.gate_up.f16_dot == (fmt is not WeightFormat.BF16)
         cpu = choose_decode_config(8, 8, 256, 7168, 2048, fmt)
         assert not cpu.gate_up.f16_dot and not cpu.down.f16_dot
     assert expected_distinct_experts(1, 8, 128) == 8
@@ -464,7 +471,8 @@ def _lowering_arrays(fmt: WeightFormat, n: int, k: int, prefix: str) -> dict:
 
 
 @pytest.mark.parametrize("fmt,f16,pairs", [(f, False, False) for f in WeightFormat] + [
-    (FP8, True, False), (NVFP4, True, False), (FP8, True, True), (MXFP4, False, True)])
+    (FP8, True, False), (NVFP4, True, False), (MXFP4, True, False), (FP8, True, True),
+    (MXFP4, True, True)])
 def test_lowers_to_triton_for_h200(fmt, f16, pairs, monkeypatch):
     arrays = _lowering_arrays(fmt, 2 * _LI, _LH, "gate_up") | _lowering_arrays(
         fmt, _LH, _LI, "down")
@@ -663,3 +671,44 @@ def test_deepseek_v3_fp8_stacks_take_the_pair_view():
                for q in calls]
     assert [(w.shape, w.dtype) for w in weights] == [
         ((e, 2, i, h), jnp.dtype(e4m3)), ((e, 1, h, i // 2), jnp.dtype(jnp.uint16))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled kernels on a GPU (skipped on CPU): the Triton build with the device's heuristic tiles
+# (f16 dots for the quantized formats, the PTX FP4 unpack), several column tiles and row chunks.
+# ---------------------------------------------------------------------------------------------
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Triton kernels")
+@pytest.mark.parametrize("t", [1, 8, 33])
+@pytest.mark.parametrize("fmt", list(WeightFormat), ids=[f.value for f in WeightFormat])
+def test_compiled_on_gpu_against_reference(fmt, t):
+    """Every (token, slot) row of the compiled kernels matches the reference on its own, rows
+    spanning 1e-3 .. 1e3; MXFP4 scales spread over 2^-27 .. 2^8 (the f16 route's per-step
+    largest scale leaves a step's small blocks to f16 subnormals)."""
+    e, h, inter, k = 16, 1024, 512, 4
+    rng = np.random.default_rng(100 * t + list(WeightFormat).index(fmt))
+    gu = make_weights(rng, fmt, 2 * inter, h, global_rows=2, e=e)
+    dn = make_weights(rng, fmt, h, inter, e=e)
+    if fmt is MXFP4:
+        for arrays in (gu, dn):
+            arrays["scale"] = jnp.asarray(rng.integers(100, 136, arrays["scale"].shape,
+                                                       np.uint8))
+    kw = dict(gate_up=gu.pop("w"), down=dn.pop("w"), fmt=fmt, block_size=FP8_BLOCK,
+              activation="gpt_oss", gate_up_layout="interleaved")
+    kw.update({f"gate_up_{n}": v for n, v in gu.items()})
+    kw.update({f"down_{n}": v for n, v in dn.items()})
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)])
+    ids[0, -1] = e  # a zero expert
+    ids = jnp.asarray(ids, jnp.int32)
+    x = rng.standard_normal((t, h)) * np.logspace(-3, 3, t)[:, None]
+    x = jnp.asarray(x.astype(ml_dtypes.bfloat16))
+    out = np.asarray(moe_decode_pairs(x, ids, **kw))
+    ref = np.asarray(moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw))
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out[0, -1], 0.0)
+    for i in range(t):
+        for j in range(k - 1 if i == 0 else k):
+            assert rel_err(out[i, j], ref[i, j]) < 5e-3, (i, j, rel_err(out[i, j], ref[i, j]))

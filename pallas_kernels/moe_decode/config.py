@@ -20,7 +20,7 @@ from pallas_kernels.grouped_matmul.config import (
 
 MIN_DOT = 16  # smallest tl.dot extent along M, N and K
 FEW_TOKENS = 3  # decode steps of up to this many tokens (1, MTP verify 2-3): block_n >= 64
-F16_DOT_FORMATS = (WeightFormat.FP8_BLOCK, WeightFormat.NVFP4)  # formats with an f16 route
+F16_DOT_FORMATS = (WeightFormat.FP8_BLOCK, WeightFormat.NVFP4, WeightFormat.MXFP4)  # f16 route
 
 
 def _is_pow2(v) -> bool:
@@ -48,10 +48,10 @@ class DecodeTile:
     num_stages: int = 3  # software-pipelining depth of the K loop
     # Weight tile as the MMA's M operand: dot(w [bn, bk], a^T [bk, bm]) (decode rows are few).
     swap_ab: bool = True
-    # FP8_BLOCK / NVFP4 only: f16 dot operands. e4m3 -> f16 is one cvt per two values on sm_90
-    # (bf16 needs two more); NVFP4 codes become f16 by bit placement (e2m1 * 2^-14). The
+    # FP8_BLOCK / NVFP4 / MXFP4 only: f16 dot operands. e4m3 -> f16 is one cvt per two values
+    # on sm_90 (bf16 needs two more); FP4 codes become f16 by bit placement (e2m1 * 2^-14). The
     # activation rows are scaled by a power of two into f16 range and the f32 accumulator
-    # scaled back: exact up to f16 subnormals (see kernel.py).
+    # scaled back: exact up to f16 subnormals (see kernel.py; MXFP4: also its scale spread).
     f16_dot: bool = False
     # Split-K: the K loop is cut into ``split_k`` ranges, one program each (grid axis 2), for
     # steps with too few (expert, N tile) programs to fill the GPU (1..3 tokens). Partials are

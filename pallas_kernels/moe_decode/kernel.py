@@ -29,9 +29,13 @@ global scale (per row segment) multiplies the accumulator once. FP4 tiles are no
 the low nibbles (even k) and high nibbles (odd k) are two ``[bn, bk/2]`` operands, dotted with
 the even and odd columns of the activations (16-bit activations: one load of a
 uint32 view ``[rows, K/2]``, split into its halves). With
-``DecodeTile.f16_dot`` (FP8_BLOCK, NVFP4) the dot operands are f16: e4m3 -> f16 is exact and one
-conversion per two values on sm_90, NVFP4 codes become ``e2m1 * 2^-14`` by bit placement (in
-PTX on the GPU, two values per 32-bit op; the 2^14 goes into the global scale); each activation
+``DecodeTile.f16_dot`` (FP8_BLOCK, NVFP4, MXFP4) the dot operands are f16: e4m3 -> f16 is exact
+and one conversion per two values on sm_90, FP4 codes become ``e2m1 * 2^-14`` by bit placement
+(in PTX on the GPU, two values per 32-bit op; NVFP4's 2^14 goes into the global scale). MXFP4's
+E8M0 scales span more than f16's range, so each K step's partial is scaled like FP8's: by the
+column's largest scale in the step (times 2^14), the other scale blocks of the step multiply
+their values by ``2^(s - largest)`` in f16 (exact while the step's scales lie within 2^9 of each
+other; beyond, the small blocks' products round to f16's 2^-24 step); each activation
 row is scaled by a power of two into ``[2^10, 2^11)`` and the accumulator scaled back once, so
 bf16 activations pass exactly. The row's amax over K comes in with the activations: x's from a
 small XLA reduction before the launches, h's from the gate_up kernel, which also writes the
@@ -61,8 +65,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._dequant import F16_FP4_FACTOR as _F16_NVFP4_FACTOR
+from pallas_kernels._dequant import F16_FP4_FACTOR as _F16_FP4_FACTOR
 from pallas_kernels._dequant import e2m1_to_f32 as _e2m1_to_f32
+from pallas_kernels._dequant import e8m0_step_to_f16 as _e8m0_step_to_f16
 from pallas_kernels._dequant import e8m0_to_f32 as _e8m0_to_f32
 from pallas_kernels._dequant import fp4x4_to_f16_scaled as _fp4x4_to_f16_scaled
 from pallas_kernels._device import device_kind, device_sm_count
@@ -359,10 +364,17 @@ def _expert_body(
                 s_mask = (sc < st.k // group)[None, :] if k_ragged else None
                 codes = load_w_cols(h, kb * kp, kp, st.k // 2)  # [bn, bk/2] uint8
                 raw_s = masked_load(w_at(scale_ref, h, sc[None, :]), n_mask, s_mask)
-                if st.f16_dot:  # NVFP4 only: e2m1 * 2^-14 * f16(e4m3 scale), exact
-                    s = _repeat_cols(raw_s.astype(jnp.float16), group // 2)  # [bn, bk/2]
+                if st.f16_dot:
                     lo, hi = _fp4x4_to_f16_scaled(codes, st.inline_asm)
-                    return (lo * s, hi * s), None
+                    if st.fmt is WeightFormat.NVFP4:  # e2m1 * 2^-14 * f16(e4m3 scale), exact
+                        s = _repeat_cols(raw_s.astype(jnp.float16), group // 2)  # [bn, bk/2]
+                        return (lo * s, hi * s), None
+                    # MXFP4: e2m1 * 2^-14 * 2^(s - top), top = the column's largest scale in
+                    # this step; 2^(top - 127) * 2^14 multiplies the step's f32 partial.
+                    e8 = raw_s.astype(jnp.int32)  # [bn, bk/32]
+                    top = jnp.max(e8, axis=1)  # [bn]
+                    s = _repeat_cols(_e8m0_step_to_f16(e8 - top[:, None]), group // 2)
+                    return (lo * s, hi * s), _e8m0_to_f32(top) * _F16_FP4_FACTOR
                 codes = codes.astype(jnp.int32)
                 if st.fmt is WeightFormat.NVFP4:
                     s = raw_s.astype(jnp.float32)
@@ -467,7 +479,7 @@ def _expert_body(
                 gs = masked_load(global_ref.at[e, div(orig_rows(h), st.global_rows)],
                                  col_mask if n_ragged else None)  # [bn] f32
                 if st.f16_dot:
-                    gs = gs * _F16_NVFP4_FACTOR
+                    gs = gs * _F16_FP4_FACTOR
                 acc = acc * gs[None, :]
             if bias_ref is not None:
                 b = masked_load(w_at(bias_ref, h), col_mask if n_ragged else None)
