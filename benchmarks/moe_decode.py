@@ -295,9 +295,9 @@ SHARED_COLUMNS = ["shape", "format", "tokens", "shared_MB", "shared_bound_us", "
 
 
 def bench_shared(shapes, formats, token_counts, *, hbm: float, loops: int) -> list[dict]:
-    """What the shared expert costs: the step with it folded into the routed launches and with
-    it on its own path (both timed, whatever ``moe.experts.shared_folds`` picks: the A/B of that
-    rule; ``rule`` says which one moe_forward takes), without it, and the shared expert alone
+    """What the shared expert costs: the step with it folded into the routed launches (where
+    ``moe.experts.shared_folds`` allows it; ``rule`` says which path moe_forward takes) and with
+    it on its own path (the A/B of that rule), without it, and the shared expert alone
     through the decode kernels as a one-expert stack (moe_forward's own path for FP4 shared
     experts) and through XLA's dense path."""
     from unittest import mock
@@ -322,20 +322,21 @@ def bench_shared(shapes, formats, token_counts, *, hbm: float, loops: int) -> li
                 row = dict(shape=shape, format=name, tokens=tokens, shared_MB=sb / 1e6,
                            shared_bound_us=sb / hbm * 1e6,
                            rule="folded" if folds else "own path")
-                timings = [("step_own_path_us", step, p, ()),
-                           ("step_no_shared_us", step, bare, ()),
+                # own path: the rule's token bound set to 0 (the rule never folds)
+                timings = [("step_own_path_us", step, p, 0),
+                           ("step_no_shared_us", step, bare, None),
                            ("kernels_us", functools.partial(shared_experts, kernels=PALLAS,
-                                                            decode=True), p, ()),
+                                                            decode=True), p, None),
                            ("xla_dense_us", functools.partial(shared_experts, kernels=PALLAS,
-                                                              decode=False), p, ())]
-                if tokens <= experts.SHARED_FOLD_MAX_TOKENS:
-                    timings.insert(0, ("step_folded_us", step, p, tuple(Format)))
+                                                              decode=False), p, None)]
+                if folds:
+                    timings.insert(0, ("step_folded_us", step, p, None))
                 else:
-                    row["step_folded_us"] = f"n/a (> {experts.SHARED_FOLD_MAX_TOKENS} tokens)"
-                for label, fn, params, fold_formats in timings:
+                    row["step_folded_us"] = "n/a (rule: own path)"
+                for label, fn, params, max_tokens in timings:
+                    bound = experts.SHARED_FOLD_MAX_TOKENS if max_tokens is None else max_tokens
                     try:
-                        # the rule's format list set to every format / to none
-                        with mock.patch.object(experts, "SHARED_FOLD_FORMATS", fold_formats):
+                        with mock.patch.object(experts, "SHARED_FOLD_MAX_TOKENS", bound):
                             row[label] = time_scan(fn, params, xs, loops=loops) * 1e6
                     except Exception as err:  # report in the table, do not hide
                         row[label] = f"{type(err).__name__}: {str(err)[:60]}"

@@ -570,11 +570,12 @@ def test_shared_expert_decode_kernels_equal_dense(shared_fmt, tokens, kernels):
     ("qwen2_shared", Format.FP8_BLOCK, 32, 3, True),  # gated shared expert
     ("deepseek_v3", Format.FP8_BLOCK, None, 17, False),  # more than one 16-row chunk
     ("qwen2_shared", Format.NVFP4, 48, 3, False),  # another intermediate size
-    ("deepseek_v3", Format.BF16, None, 3, False),  # a format not measured folded
+    ("deepseek_v3", Format.BF16, None, 3, True),  # every format folds
+    ("deepseek_v3", Format.MXFP4, None, 1, True),
 ])
 def test_shared_expert_folds_into_routed_launches(name, fmt, shared_size, tokens, folds):
     """A decode step of up to 16 tokens whose shared expert has the routed experts' format
-    (FP8 or NVFP4) and shapes reads it in the routed launches (2 Pallas launches in the traced
+    and shapes reads it in the routed launches (2 Pallas launches in the traced
     step, not 4 or an XLA dense path), with the XLA decode path's result. (The steps that do
     not fold run the tests above.)"""
     from atlas_jax.moe.experts import shared_folds

@@ -80,24 +80,23 @@ SHARED_KERNEL_FORMATS = (Format.NVFP4, Format.MXFP4)
 SHARED_KERNEL_MAX_TOKENS = 8
 
 
-# A decode step of up to this many tokens reads a shared expert with the routed experts'
-# format and shapes in the routed launches (one 16-row chunk of the kernels: more rows would
-# re-read its weights per chunk, as in the 32-64 token rows above), for the formats where that
-# measured faster (H200, DeepSeek-V3 layer with its shared expert, full moe_forward step, us;
-# benchmarks/RESULTS.md, session 5): FP8 1 / 8 tokens 293 / 843 -> 230 / 788, NVFP4 334 / 1039
-# -> 296 / 991. BF16 and MXFP4 are not measured folded yet, so they keep their own path.
-SHARED_FOLD_FORMATS = (Format.FP8_BLOCK, Format.NVFP4)
+# A decode step of up to this many tokens reads a shared expert with the routed experts' format
+# and shapes in the routed launches (one 16-row chunk of the kernels: more rows would re-read
+# its weights per chunk, as in the 32-64 token rows above). Measured on the H200 (DeepSeek-V3
+# layer with its shared expert, full moe_forward step, folded vs on its own path, us;
+# benchmarks/RESULTS.md, sessions 5 and 6): FP8 1 / 8 tokens 230 / 788 vs 293 / 843, NVFP4 296 /
+# 991 vs 334 / 1039, MXFP4 1 / 8 / 16 tokens 281 / 1011 / 1470 vs 362 / 1085 / 1567, BF16
+# 236 / 1005 / 1509 vs 242 / 1009 / 1508 (even): every format folds.
 SHARED_FOLD_MAX_TOKENS = 16
 
 
 def shared_folds(params: MoEParams, num_tokens: int, kernels: KernelConfig | None) -> bool:
-    """Whether a decode step of ``num_tokens`` folds the shared expert into the routed
-    launches (``routed_experts_decode(fold_shared=True)``): the Pallas decode kernels run the
-    routed experts in one of ``SHARED_FOLD_FORMATS``, and the shared expert has their format,
+    """Whether a decode step of ``num_tokens`` (at most ``SHARED_FOLD_MAX_TOKENS``) folds the
+    shared expert into the routed launches (``routed_experts_decode(fold_shared=True)``): the
+    Pallas decode kernels run the routed experts, and the shared expert has their format,
     per-expert shapes and scale layout (``ops.moe_decode``'s ``extra_unsupported_reason``)."""
     gu, dn = params.shared_gate_up, params.shared_down
-    if (gu is None or num_tokens > SHARED_FOLD_MAX_TOKENS
-            or params.gate_up.format not in SHARED_FOLD_FORMATS):
+    if gu is None or num_tokens > SHARED_FOLD_MAX_TOKENS:
         return False
     if ops.moe_decode_backend(params.gate_up, params.down, kernels) is not Backend.PALLAS:
         return False
