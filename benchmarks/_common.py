@@ -68,6 +68,16 @@ def device_busy(fn: Callable, *args, calls: int = 20) -> tuple[float, float] | N
     seen); None without torch or when no device activity was recorded. The floor a step
     approaches when its launches are captured as a CUDA graph: no host gaps, no loop overhead.
     """
+    kernels = device_kernels(fn, *args, calls=calls)
+    if not kernels:
+        return None
+    return sum(s for _, s, _ in kernels), sum(n for _, _, n in kernels)
+
+
+def device_kernels(fn: Callable, *args, calls: int = 20) -> list[tuple[str, float, float]] | None:
+    """``(name, GPU seconds per call, launches per call)`` of each kernel or copy that ``fn``
+    launches, longest first (CUPTI through ``torch.profiler``, as ``device_busy``); None
+    without torch."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -79,17 +89,14 @@ def device_busy(fn: Callable, *args, calls: int = 20) -> tuple[float, float] | N
         for _ in range(calls):
             out = fn(*args)
         jax.block_until_ready(out)
-    us, count = 0.0, 0
+    rows = []
     for ev in prof.key_averages():
         t = getattr(ev, "self_device_time_total", None)
         if t is None:
             t = getattr(ev, "self_cuda_time_total", 0.0)
         if t > 0:
-            us += t
-            count += ev.count
-    if count == 0:
-        return None
-    return us * 1e-6 / calls, count / calls
+            rows.append((ev.key, t * 1e-6 / calls, ev.count / calls))
+    return sorted(rows, key=lambda r: -r[1])
 
 
 def time_torch(fn: Callable) -> float:
