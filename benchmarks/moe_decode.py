@@ -27,6 +27,7 @@ variants of the kernels alone (routing precomputed) against the heuristic's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -322,21 +323,21 @@ def bench_shared(shapes, formats, token_counts, *, hbm: float, loops: int) -> li
                 row = dict(shape=shape, format=name, tokens=tokens, shared_MB=sb / 1e6,
                            shared_bound_us=sb / hbm * 1e6,
                            rule="folded" if folds else "own path")
-                # own path: the rule's token bound set to 0 (the rule never folds)
-                timings = [("step_own_path_us", step, p, 0),
-                           ("step_no_shared_us", step, bare, None),
-                           ("kernels_us", functools.partial(shared_experts, kernels=PALLAS,
-                                                            decode=True), p, None),
-                           ("xla_dense_us", functools.partial(shared_experts, kernels=PALLAS,
-                                                              decode=False), p, None)]
+                shared = functools.partial(shared_experts, kernels=PALLAS)
+                timings = [("step_own_path_us", step, p, True),
+                           ("step_no_shared_us", step, bare, False),
+                           ("kernels_us", functools.partial(shared, decode=True), p, False),
+                           ("xla_dense_us", functools.partial(shared, decode=False), p, False)]
                 if folds:
-                    timings.insert(0, ("step_folded_us", step, p, None))
+                    timings.insert(0, ("step_folded_us", step, p, False))
                 else:
                     row["step_folded_us"] = "n/a (rule: own path)"
-                for label, fn, params, max_tokens in timings:
-                    bound = experts.SHARED_FOLD_MAX_TOKENS if max_tokens is None else max_tokens
+                for label, fn, params, own_path in timings:
+                    # own path: the rule's token bound set to 0, so it never folds
+                    rule = (mock.patch.object(experts, "SHARED_FOLD_MAX_TOKENS", 0) if own_path
+                            else contextlib.nullcontext())
                     try:
-                        with mock.patch.object(experts, "SHARED_FOLD_MAX_TOKENS", bound):
+                        with rule:
                             row[label] = time_scan(fn, params, xs, loops=loops) * 1e6
                     except Exception as err:  # report in the table, do not hide
                         row[label] = f"{type(err).__name__}: {str(err)[:60]}"
