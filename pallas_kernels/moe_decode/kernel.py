@@ -35,7 +35,11 @@ and one conversion per two values on sm_90, FP4 codes become ``e2m1 * 2^-14`` by
 E8M0 scales span more than f16's range, so each K step's partial is scaled like FP8's: by the
 column's largest scale in the step (times 2^14), the other scale blocks of the step multiply
 their values by ``2^(s - largest)`` in f16 (exact while the step's scales lie within 2^9 of each
-other; beyond, the small blocks' products round to f16's 2^-24 step); each activation
+other; beyond, the small blocks' products round to f16's 2^-24 step: an absolute error, a
+small fraction of the column's pre-activation scale, that a clamped activation (gpt-oss, at
+7) can lift to percents of h when the pre-activations are far past the clamp, as in
+``tests``' 2^-27 .. 2^8 spread with 1e3-scaled rows; ``f16_dot=False`` has no such loss); each
+activation
 row is scaled by a power of two into ``[2^10, 2^11)`` and the accumulator scaled back once, so
 bf16 activations pass exactly. The row's amax over K comes in with the activations: x's from a
 small XLA reduction before the launches, h's from the gate_up kernel, which also writes the
