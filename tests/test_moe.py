@@ -190,6 +190,26 @@ def test_router_matches_naive_loop(name):
         np.testing.assert_allclose([got[i] for i in ids], w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("shape,k", [((1, 128), 8), ((13, 64), 6), ((5, 8, 32), 2),
+                                     ((3, 16), 16), ((300, 128), 8)])
+def test_top_k_equals_lax_top_k(shape, k):
+    """The routers' ``top_k`` (pairwise ranks for small inputs; the 300-token case is past the
+    bound and sorts) gives ``jax.lax.top_k``'s values and indices: ties (values drawn from a
+    few levels) in index order, +-0, +-inf and the smallest subnormals ordered."""
+    from atlas_jax.moe.routing import PAIRWISE_TOPK_MAX, top_k
+
+    rng = np.random.default_rng(sum(shape) + k)
+    levels = np.array([-np.inf, -1.5, -0.0, 0.0, 1e-45, 0.25, 0.25, 3.0, np.inf], np.float32)
+    v = np.where(rng.random(shape) < 0.5, rng.choice(levels, shape),
+                 rng.standard_normal(shape)).astype(np.float32)
+    vals, ids = jax.jit(top_k, static_argnums=1)(jnp.asarray(v), k)
+    ref_vals, ref_ids = jax.lax.top_k(jnp.asarray(v), k)
+    assert ids.dtype == jnp.int32
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_array_equal(vals, ref_vals)
+    assert (v.size * shape[-1] > PAIRWISE_TOPK_MAX) == (shape[0] == 300)
+
+
 @pytest.mark.parametrize("name", sorted(ROUTERS))
 @pytest.mark.parametrize("path", ["prefill", "decode"])
 def test_moe_forward_matches_naive_loop(name, path):

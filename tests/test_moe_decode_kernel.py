@@ -39,6 +39,12 @@ from pallas_kernels.moe_decode import (
     moe_decode_pairs,
     moe_decode_pairs_reference,
 )
+from pallas_kernels.moe_decode.kernel import (
+    PALLAS_PLAN_MAX_PAIRS,
+    _dense_plan,
+    _pallas_plan,
+    _sorted_plan,
+)
 from tests.test_moe import make, token_ids_for
 
 E, H, I = 6, 160, 96  # H, I: not multiples of the 64-wide test tiles
@@ -408,11 +414,23 @@ class TestKernelInterpret:
 # ---------------------------------------------------------------------------------------------
 
 
+PLAN_BUILDERS = {
+    "dense": _dense_plan,
+    "sorted": _sorted_plan,
+    "pallas": functools.partial(_pallas_plan, interpret=True),
+}
+
+
+@pytest.mark.parametrize("builder", list(PLAN_BUILDERS))
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("t,k", [(1, 4), (7, 3), (33, 2)])
-def test_plan_covers_every_routed_pair_once(pattern, t, k):
+def test_plan_covers_every_routed_pair_once(pattern, t, k, builder):
     ids = routing(pattern, t, k)
-    plan = jax.jit(make_plan, static_argnums=1)(ids, E)
+    plan = jax.jit(PLAN_BUILDERS[builder], static_argnums=1)(ids, E)
+    if builder != "dense":  # one plan, whichever way it is built
+        dense = jax.jit(_dense_plan, static_argnums=1)(ids, E)
+        for name, a, b in zip(plan._fields, plan, dense, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=name)
     work, tok, row_of_pair, routed = map(np.asarray, plan)
     expert, first, rows = work
     u = min(E, t * k)
@@ -434,6 +452,15 @@ def test_plan_covers_every_routed_pair_once(pattern, t, k):
     np.testing.assert_array_equal(covered[real.sum():], 0)
     pair_rows = row_of_pair.reshape(-1)
     np.testing.assert_array_equal(tok[pair_rows], np.arange(t * k) // k)
+
+
+@pytest.mark.parametrize("t,pallas", [(1, True), (16, True), (17, True), (4, False)])
+def test_make_plan_takes_one_pallas_launch_up_to_its_bound(t, pallas):
+    k = 8  # 16 tokens: 128 pairs, the bound; 17: past it (XLA's pairwise plan)
+    ids = jnp.zeros((t, k), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(functools.partial(make_plan, num_experts=E, pallas=pallas,
+                                                 interpret=True))(ids))
+    assert ("pallas_call" in jaxpr) == (pallas and t * k <= PALLAS_PLAN_MAX_PAIRS)
 
 
 def test_config_heuristic():
@@ -515,7 +542,8 @@ def test_lowers_to_triton_for_h200(fmt, f16, pairs, monkeypatch):
         lowered = jax.jit(f).trace(_SD((8, _LH), jnp.bfloat16), _SD((8, 4), jnp.int32),
                                    _SD((8, 4), jnp.float32), arrays).lower(
                                        lowering_platforms=("cuda",))
-    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2  # gate_up and down launches
+    # the plan (32 pairs), gate_up and down launches
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3
     if pairs:
         jax.clear_caches()  # no trace made under the lowered limit outlives the test
 
@@ -581,7 +609,7 @@ def test_shared_expert_decode_kernels_equal_dense(shared_fmt, tokens, kernels):
     np.testing.assert_array_equal(f(p, x, XLA_DECODE, decode=True), dense)
     jaxpr = str(jax.make_jaxpr(functools.partial(shared_experts, kernels=PALLAS_DECODE,
                                                  decode=True))(p, x))
-    assert jaxpr.count("pallas_call") == (2 if kernels else 0)
+    assert jaxpr.count("pallas_call") == (3 if kernels else 0)  # plan, gate_up, down
 
 
 @pytest.mark.parametrize("name,fmt,shared_size,tokens,folds", [
@@ -594,9 +622,9 @@ def test_shared_expert_decode_kernels_equal_dense(shared_fmt, tokens, kernels):
 ])
 def test_shared_expert_folds_into_routed_launches(name, fmt, shared_size, tokens, folds):
     """A decode step of up to 16 tokens whose shared expert has the routed experts' format
-    and shapes reads it in the routed launches (2 Pallas launches in the traced
-    step, not 4 or an XLA dense path), with the XLA decode path's result. (The steps that do
-    not fold run the tests above.)"""
+    and shapes reads it in the routed launches (3 Pallas launches in the traced step: the
+    plan, gate_up and down; not 6 or an XLA dense path), with the XLA decode path's result.
+    (The steps that do not fold run the tests above.)"""
     from atlas_jax.moe.experts import shared_folds
 
     extra = {} if shared_size is None else dict(shared_intermediate_size=shared_size)
@@ -611,7 +639,7 @@ def test_shared_expert_folds_into_routed_launches(name, fmt, shared_size, tokens
     chex.assert_tree_all_finite(y)
     assert rel_err(y, f(p, x, kernels=XLA_DECODE)) < 1e-2
     jaxpr = str(jax.make_jaxpr(functools.partial(aj.moe_forward, kernels=PALLAS_DECODE))(p, x))
-    assert jaxpr.count("pallas_call") == 2
+    assert jaxpr.count("pallas_call") == 3
 
 
 def test_ops_moe_decode_extra_stack():
@@ -686,7 +714,8 @@ def test_deepseek_v3_fp8_stacks_take_the_pair_view():
                 if hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
                     yield from pallas_calls(v.jaxpr)
 
-    calls = list(pallas_calls(jaxpr.jaxpr))
+    calls = [q for q in pallas_calls(jaxpr.jaxpr)
+             if "moe_decode_plan" not in str(q.params["name"])]
     weights = [[v.aval for v in q.invars if v.aval.ndim == 4 and v.aval.shape[0] == e][0]
                for q in calls]
     assert [(w.shape, w.dtype) for w in weights] == [

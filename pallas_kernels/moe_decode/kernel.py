@@ -109,14 +109,21 @@ class DecodePlan(NamedTuple):
 # Up to this many pairs the plan is built from pairwise comparisons (three small reductions, no
 # sort, scan or scatter: fewer XLA launches for the few-token steps); above it, by a sort.
 DENSE_PLAN_MAX_PAIRS = 1024
+# Up to this many pairs the pairwise plan runs as one Pallas program (``pallas=True``): one
+# launch in place of XLA's six or seven small fusions (~7 us of a 1-token step on the H200).
+PALLAS_PLAN_MAX_PAIRS = 128
 
 
-def make_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
+def make_plan(expert_ids: jax.Array, num_experts: int, *, pallas: bool = False,
+              interpret: bool = False) -> DecodePlan:
     """Work list of ``expert_ids [T, k]``; ``U = min(E, P)`` slots (a static bound on the
     distinct experts). ``P = T*k <= DENSE_PLAN_MAX_PAIRS``: ``_dense_plan``, else
     ``_sorted_plan``; both give the same plan (slots in increasing expert id, idle slots last,
-    rows in the stable sort order)."""
+    rows in the stable sort order). ``pallas`` and ``P <= PALLAS_PLAN_MAX_PAIRS``: the dense
+    plan as one Pallas launch (``interpret``: in interpret mode), the same plan."""
     t, k = expert_ids.shape
+    if pallas and t * k <= PALLAS_PLAN_MAX_PAIRS:
+        return _pallas_plan(expert_ids, num_experts, interpret=interpret)
     if t * k <= DENSE_PLAN_MAX_PAIRS:
         return _dense_plan(expert_ids, num_experts)
     return _sorted_plan(expert_ids, num_experts)
@@ -129,39 +136,94 @@ def _plan_keys(expert_ids, num_experts):
     return jnp.where(routed, flat, num_experts), routed  # zero experts sort last
 
 
-def _dense_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
-    """The plan from ``[P, P]`` / ``[U, P]`` comparisons: three dependent reductions (XLA fuses
-    each, with its elementwise producers, into one small kernel) instead of a sort, a cumsum,
-    two scatters and a gather (each its own launch on the GPU). A pair's sorted row is the
-    number of pairs with a smaller key plus those with the same key before it (stable)."""
-    t, k = expert_ids.shape
-    p = t * k
-    u = min(num_experts, p)
-    key, routed = _plan_keys(expert_ids, num_experts)
-    idx = jnp.arange(p, dtype=jnp.int32)
-    kq, kp = key[None, :], key[:, None]  # [1, P] other pair q, [P, 1] this pair
-    same = kq == kp  # [P, P]
-    before = jnp.sum(same & (idx[None, :] < idx[:, None]), axis=1, dtype=jnp.int32)
-    row_of_pair = jnp.sum(kq < kp, axis=1, dtype=jnp.int32) + before  # [P]
-    count = jnp.sum(same, axis=1, dtype=jnp.int32)  # [P] pairs of this pair's expert
-    lead = routed & (before == 0)  # [P] the first pair of each distinct real expert
+def _count(mask, axis=None):
+    return jnp.sum(mask.astype(jnp.int32), axis=axis)
+
+
+def _pairwise_plan(key, routed, *, k: int, num_experts: int, slots: int):
+    """The plan from ``[n, n]`` / ``[slots, n]`` comparisons of the pair keys ``key [n]``
+    (zero experts: ``num_experts``), in ops that XLA and Pallas' Triton lowering both take
+    (elementwise, broadcasts, sums along an axis). A pair's sorted row is the number of pairs
+    with a smaller key plus those with the same key before it (stable). Keys past the real
+    pairs (Pallas' padding, ``num_experts`` and not routed) sort after them and leave their
+    rows unchanged. Returns (row_of_pair [n], token_of_row [n], expert, first, rows [slots])."""
+    n = key.shape[0]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    kq, kp = key[None, :], key[:, None]  # [1, n] other pair q, [n, 1] this pair
+    same = kq == kp  # [n, n]
+    before = _count(same & (idx[None, :] < idx[:, None]), axis=1)
+    row_of_pair = _count(kq < kp, axis=1) + before  # [n]
+    count = _count(same, axis=1)  # [n] pairs of this pair's expert
+    lead = routed & (before == 0)  # [n] the first pair of each distinct real expert
     # level 2: a lead pair's slot (distinct real experts below it); each sorted row's token
-    slot = jnp.sum(lead[None, :] & (kq < kp), axis=1, dtype=jnp.int32)  # [P]
-    token_of_row = jnp.sum(jnp.where(row_of_pair[None, :] == idx[:, None], idx[None, :] // k,
-                                     0), axis=1, dtype=jnp.int32)  # [P]
-    num_routed = jnp.sum(routed, dtype=jnp.int32)
+    slot = _count(lead[None, :] & (kq < kp), axis=1)  # [n]
+    token = jax.lax.div(idx, jnp.int32(k))
+    token_of_row = jnp.sum(jnp.where(row_of_pair[None, :] == idx[:, None], token[None, :], 0),
+                           axis=1)  # [n]
+    num_routed = _count(routed)
     # level 3: slot u's lead pair (at most one) gives the expert, first row and row count
-    hit = lead[None, :] & (slot[None, :] == jnp.arange(u, dtype=jnp.int32)[:, None])  # [U, P]
-    busy = jnp.any(hit, axis=1)
-    vals = jnp.stack([key, row_of_pair, count])  # [3, P]
-    picked = jnp.sum(jnp.where(hit[None], vals[:, None, :], 0), axis=2, dtype=jnp.int32)
-    idle = jnp.stack([jnp.int32(num_experts), num_routed, jnp.int32(0)])[:, None]  # [3, 1]
+    hit = lead[None, :] & (slot[None, :] == jnp.arange(slots, dtype=jnp.int32)[:, None])
+    busy = _count(hit, axis=1) > 0  # [slots]
+
+    def pick(v, idle):
+        return jnp.where(busy, jnp.sum(jnp.where(hit, v[None, :], 0), axis=1), idle)
+
+    return (row_of_pair, token_of_row, pick(key, num_experts), pick(row_of_pair, num_routed),
+            pick(count, 0))
+
+
+def _dense_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
+    """``_pairwise_plan`` in XLA: three dependent reductions (XLA fuses each, with its
+    elementwise producers, into small kernels) instead of a sort, a cumsum, two scatters and a
+    gather (each its own launch on the GPU)."""
+    t, k = expert_ids.shape
+    key, routed = _plan_keys(expert_ids, num_experts)
+    row_of_pair, token_of_row, expert, first, rows = _pairwise_plan(
+        key, routed, k=k, num_experts=num_experts, slots=min(num_experts, t * k))
     return DecodePlan(
-        work=jnp.where(busy[None, :], picked, idle),
+        work=jnp.stack([expert, first, rows]),
         token_of_row=token_of_row,
         row_of_pair=row_of_pair.reshape(t, k),
         routed=routed.reshape(t, k),
     )
+
+
+def _plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *, p: int, k: int,
+                 num_experts: int, slots: int):
+    """One program: ``_pairwise_plan`` on the ``p`` pair ids, padded to a power of two."""
+    n = max(16, pl.next_power_of_2(p))
+    idx = jnp.arange(n, dtype=jnp.int32)
+    valid = idx < p
+    ids = plgpu.load(ids_ref.at[idx], mask=valid, other=num_experts)
+    routed = valid & (ids >= 0) & (ids < num_experts)
+    key = jnp.where(routed, ids, num_experts)
+    padded_slots = max(16, pl.next_power_of_2(slots))
+    row_of_pair, token_of_row, *work = _pairwise_plan(
+        key, routed, k=k, num_experts=num_experts, slots=padded_slots)
+    plgpu.store(row_of_pair_ref.at[idx], row_of_pair, mask=valid)
+    plgpu.store(token_of_row_ref.at[idx], token_of_row, mask=valid)
+    u = jnp.arange(padded_slots, dtype=jnp.int32)
+    for i, v in enumerate(work):
+        plgpu.store(work_ref.at[jnp.int32(i), u], v, mask=u < slots)
+
+
+def _pallas_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool) -> DecodePlan:
+    """``_dense_plan``'s plan from one Pallas launch (P <= PALLAS_PLAN_MAX_PAIRS)."""
+    t, k = expert_ids.shape
+    p = t * k
+    slots = min(num_experts, p)
+    flat = expert_ids.reshape(p).astype(jnp.int32)
+    work, token_of_row, row_of_pair = pl.pallas_call(
+        functools.partial(_plan_kernel, p=p, k=k, num_experts=num_experts, slots=slots),
+        out_shape=[jax.ShapeDtypeStruct((3, slots), jnp.int32),
+                   jax.ShapeDtypeStruct((p,), jnp.int32),
+                   jax.ShapeDtypeStruct((p,), jnp.int32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="moe_decode_plan",
+    )(flat)
+    return DecodePlan(work=work, token_of_row=token_of_row, row_of_pair=row_of_pair.reshape(t, k),
+                      routed=((flat >= 0) & (flat < num_experts)).reshape(t, k))
 
 
 def _sorted_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
@@ -817,7 +879,7 @@ def _experts(x, expert_ids, gate_up, down, *, fmt, gate_up_scale, gate_up_global
         raise ValueError(f"config: expected a MoEDecodeConfig, got {config!r}")
     config.check_format(fmt, fp8_block=block_size)
 
-    plan = make_plan(expert_ids, e_all)
+    plan = make_plan(expert_ids, e_all, pallas=True, interpret=interpret)
     p = plan.token_of_row.shape[0]
     common = dict(fmt=fmt, layout=layout, limit=limit, alpha=alpha, block_size=block_size,
                   num_rows=p, h_dtype=h_dtype, interpret=interpret)
