@@ -253,9 +253,17 @@ def bench(cases) -> tuple[list[dict], float]:
         pos = (xs[0], cache["k_pages"], cache["v_pages"], cache["block_tables"],
                cache["seq_lens"])
         ours = jax.jit(functools.partial(paged_decode, **kw, interpret=SMOKE))
+        try:
+            got = ours(*pos)
+        except NotImplementedError as e:  # a documented limit of the kernel: say so, go on
+            rows.append(dict(B=b, ctx=ctx, heads=f"{hq}/{hk}", D=d, kv=dtype,
+                             us=f"NotImplementedError: {str(e)[:90]}"))
+            print(table([rows[-1]], list(rows[-1])), flush=True)
+            del cache
+            continue
         want = jax.jit(functools.partial(paged_decode_reference, **kw))(*pos)
-        err = rel_err(ours(*pos), want)
-        del want
+        err = rel_err(got, want)
+        del want, got
         t = time_scan(ours_step(dtype, d), cache, xs, loops=loops)
         t_host = time_jax(ours, *pos)
         t_ref = time_scan(ref_step(dtype, d), cache, xs[:2], loops=1, repeats=3)

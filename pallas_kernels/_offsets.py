@@ -32,6 +32,14 @@ def pair_view(a: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(u8.reshape(*a.shape[:-1], -1, 2), jnp.uint16)
 
 
+def bytes_of_pairs(pairs: jax.Array) -> jax.Array:
+    """In a kernel: a loaded uint16 ``[r, c]`` tile of ``pair_view`` -> its uint8 bytes
+    ``[r, 2c]`` in the original order (tt.join + reshape)."""
+    pairs = pairs.astype(jnp.int32)
+    r, c = pairs.shape
+    return jnp.stack([pairs & 0xFF, pairs >> 8], axis=-1).reshape(r, 2 * c).astype(jnp.uint8)
+
+
 def pair_view_if_overflowing(name: str, a: jax.Array) -> tuple[jax.Array, bool]:
     """``(pair_view(a), True)`` when ``a``'s int32 offsets would overflow, else ``(a, False)``;
     NotImplementedError when it would need the view but its last dim is odd."""

@@ -10,6 +10,8 @@ overflowing operand that has no pair view raises.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -163,24 +165,95 @@ def test_pair_view_lowers_for_h200(fmt, force_pair_view):
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
 
 
-def test_paged_attention_kernels_reject_overflowing_caches():
-    """Both paged-attention kernels refuse FP8 pages of 2^31..2^32 elements (abstract shapes:
-    nothing that size is allocated) and accept the same cache one size class up or down."""
+def test_paged_attention_kernels_read_overflowing_caches_through_the_pair_view():
+    """Both paged-attention kernels take FP8 pages of 2^31..2^32 elements through their uint16
+    view: no overflowing operand reaches the pallas_call (abstract shapes: nothing that size is
+    allocated); the same cache one size class up or down goes in as it is."""
     from pallas_kernels.paged_attention import paged_decode, paged_prefill
 
-    def call(attend, pages):
+    def operands(attend, pages):
         shape = (pages, 16, 8, 128)
         kv, sc = SD(shape, E4M3), SD(shape[:3], jnp.float32)
         q = SD((1, 1, 32, 128), jnp.bfloat16)
         pos = SD((1,), jnp.int32) if attend is paged_decode else SD((1, 1), jnp.int32)
-        return jax.eval_shape(
+        return _pallas_operands(
             lambda q, k, v, ks, vs, p: attend(q, k, v, jnp.zeros((1, 4), jnp.int32), p,
                                               kv_dtype="fp8", k_scale=ks, v_scale=vs,
                                               scale=0.1, interpret=True),
             q, kv, kv, sc, sc, pos)
 
     for attend in (paged_decode, paged_prefill):
-        with pytest.raises(NotImplementedError, match=r"k_pages: shape .* int32 offsets"):
-            call(attend, 150_000)  # 2.46e9 one-byte elements
+        avals = operands(attend, 150_000)  # 2.46e9 one-byte elements
+        assert not [a for a in avals if _offsets.int32_offsets_overflow(a.shape, a.dtype)]
+        assert sum(a.dtype == jnp.uint16 for a in avals) == 2  # k and v pages
         for pages in (120_000, 300_000):  # 1.97e9 elements; 4.9e9 bytes (int64 offsets)
-            call(attend, pages)
+            assert not any(a.dtype == jnp.uint16 for a in operands(attend, pages))
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("kernel_name", ["decode", "prefill"])
+def test_paged_pair_view_gives_the_same_output(kernel_name, kv_dtype, force_pair_view):
+    """Forced on a small cache, the pair view changes nothing: the kernel's output equals the
+    plain pages' bit for bit (interpret mode; scattered pages, ragged lengths, GQA)."""
+    from pallas_kernels.paged_attention import (
+        DecodeConfig,
+        KVDtype,
+        PrefillConfig,
+        paged_decode,
+        paged_prefill,
+    )
+    from tests import test_paged_attention_kernel as dec
+    from tests import test_paged_prefill_kernel as pre
+
+    kv = KVDtype(kv_dtype)
+    if kernel_name == "decode":
+        args, kw = dec.make_case(3, kv, q_len=2, group=4, d=64, window=None, sinks=False)
+        call = functools.partial(paged_decode, *args, **kw, config=DecodeConfig(2, 2),
+                                 out_dtype=jnp.float32, interpret=True)
+    else:
+        args, kw = pre.make_case(3, kv, q_pos=pre.contiguous_q_pos(), group=4, d=64)
+        call = functools.partial(paged_prefill, *args, **kw, config=PrefillConfig(4, 2),
+                                 out_dtype=jnp.float32, interpret=True)
+    plain = np.asarray(call())
+    pages = args[1]
+    force_pair_view(pages.size - 1)  # k and v pages over the limit; their scales under it
+    assert _offsets.int32_offsets_overflow(pages.shape, pages.dtype)
+    np.testing.assert_array_equal(np.asarray(call()), plain)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("kernel_name", ["decode", "prefill"])
+def test_paged_pair_view_lowers_for_h200(kernel_name, kv_dtype, force_pair_view):
+    from pallas_kernels.paged_attention import (
+        DecodeConfig,
+        PrefillConfig,
+        paged_decode,
+        paged_prefill,
+    )
+
+    n, p, hk, d = 64, 16, 4, 128
+    d_store = d if kv_dtype == "fp8" else d // 2
+    pages = SD((n, p, hk, d_store), E4M3 if kv_dtype == "fp8" else U8)
+    scales = dict(k_scale=SD((n, p, hk), jnp.float32), v_scale=SD((n, p, hk), jnp.float32))
+    if kv_dtype == "nvfp4":
+        scales = {f"{w}_{name}": SD((n, p, hk, *shape), dtype) for w in "kv" for name, shape, dtype
+                  in (("scale", (d // 16,), E4M3), ("global_scale", (), jnp.float32))}
+    force_pair_view(n * p * hk * d_store - 1)
+    if kernel_name == "decode":
+        attend, q, pos = paged_decode, SD((2, 1, 32, d), jnp.bfloat16), SD((2,), jnp.int32)
+        config = DecodeConfig(4, 2)
+    else:
+        attend, q, pos = paged_prefill, SD((2, 8, 32, d), jnp.bfloat16), SD((2, 8), jnp.int32)
+        config = PrefillConfig(8, 2)
+
+    def f(q, k, v, tables, pos, scales):
+        return attend(q, k, v, tables, pos, kv_dtype=kv_dtype, scale=0.1, config=config,
+                      **scales)
+
+    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(f).trace(q, pages, pages, SD((2, 8), jnp.int32), pos, scales).lower(
+            lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "__gpu$xla.gpu.triton" in text and "ui16" in text

@@ -10,7 +10,10 @@ Plan (``make_plan``, on device, no host sync). The ``P = T * k`` pairs are sorte
 run of equal ids is one expert's rows. ``work [3, U]`` lists, for ``U = min(E, P)`` expert slots,
 the expert id, its first sorted row and its row count; slots past the number of distinct
 experts have 0 rows (their programs exit at once). ``token_of_row [P]`` maps a sorted row to its
-token, ``row_of_pair [T, k]`` a pair to its sorted row.
+token, ``row_of_pair [T, k]`` a pair to its sorted row. The decode entries build it from
+pairwise comparisons of the pair ids (no sort): for up to ``PALLAS_PLAN_MAX_PAIRS`` pairs in
+one Pallas program (one launch; XLA's form of the same algebra takes six or seven small
+fusions), up to ``DENSE_PLAN_MAX_PAIRS`` in XLA, and beyond that by a sort.
 
 Kernel 1 (gate_up), grid ``(U, cdiv(I, block_n))``: the program of slot u gathers its rows of
 ``x`` through ``token_of_row`` (``block_m`` = 16 at a time: one chunk for up to 16 pairs, the
@@ -75,7 +78,12 @@ from pallas_kernels._dequant import e8m0_step_to_f16 as _e8m0_step_to_f16
 from pallas_kernels._dequant import e8m0_to_f32 as _e8m0_to_f32
 from pallas_kernels._dequant import fp4x4_to_f16_scaled as _fp4x4_to_f16_scaled
 from pallas_kernels._device import device_kind, device_sm_count
-from pallas_kernels._offsets import check_offsets, pair_view, pair_view_if_overflowing
+from pallas_kernels._offsets import (
+    bytes_of_pairs,
+    check_offsets,
+    pair_view,
+    pair_view_if_overflowing,
+)
 from pallas_kernels.grouped_matmul.config import (
     MXFP4_GROUP,
     NVFP4_GROUP,
@@ -83,7 +91,7 @@ from pallas_kernels.grouped_matmul.config import (
     GateUpLayout,
     WeightFormat,
 )
-from pallas_kernels.grouped_matmul.kernel import _gated, _interleave_cols, _repeat_cols
+from pallas_kernels.grouped_matmul.kernel import _gated, _repeat_cols
 from pallas_kernels.grouped_matmul.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT
 from pallas_kernels.moe_decode.config import DecodeTile, MoEDecodeConfig, choose_decode_config
 from pallas_kernels.paged_attention.decode import (
@@ -400,10 +408,7 @@ def _expert_body(
         cc = c0 + jnp.arange(step, dtype=jnp.int32)
         c_mask = (cc < row_len)[None, :] if k_ragged else None
         w = masked_load(w_at(w_ref, h, cc[None, :]), n_mask, c_mask)
-        if not st.w_pairs:
-            return w
-        pairs = w.astype(jnp.int32)
-        return _interleave_cols(pairs & 0xFF, pairs >> 8).astype(jnp.uint8)
+        return bytes_of_pairs(w) if st.w_pairs else w
 
     def load_w(h, kb):
         """One K step of half h: (dot operands [bn, bk] (FP4: even, odd [bn, bk/2]),

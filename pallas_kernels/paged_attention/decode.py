@@ -78,7 +78,7 @@ from pallas_kernels._dequant import (
     fp8_to_f16,
 )
 from pallas_kernels._device import device_sm_count
-from pallas_kernels._offsets import check_offsets
+from pallas_kernels._offsets import bytes_of_pairs, check_offsets, pair_view_if_overflowing
 from pallas_kernels.paged_attention.config import (
     HEAD_DIMS,
     MIN_DOT,
@@ -253,7 +253,8 @@ def load_kv_tile(
     unpack: ``inline_asm`` None, the codes widened up front and placed in jnp (prefill); a
     bool, ``fp4_to_f16_scaled`` after the block scales (decode; True: PTX on the GPU). FP8:
     ``fp8_asm`` converts with ``fp8_to_f16`` (PTX when ``inline_asm``; ``DecodeConfig.v_convert``)
-    instead of a cast Triton may move.
+    instead of a cast Triton may move. A uint16 ``data_ref`` is the pair view of 1-byte pages
+    (``_page_views``): each loaded pair is split back into its two bytes.
     """
     mask = None if tok_ok is None else tok_ok[:, None]
     cols = jnp.arange(data_ref.shape[1], dtype=jnp.int32)
@@ -262,6 +263,10 @@ def load_kv_tile(
         mask=mask,
         other=None if mask is None else _zero_like(data_ref.dtype),
     )
+    if data_ref.dtype == jnp.uint16:  # byte pairs -> [T, 2 * cols] bytes
+        raw = bytes_of_pairs(raw)
+        if kv_dtype is KVDtype.FP8:
+            raw = jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn)
     other = None if tok_ok is None else 0.0
     match kv_dtype:
         case KVDtype.FLOAT32 | KVDtype.BF16:
@@ -738,10 +743,14 @@ def _check_options(scale, sliding_window, logit_softcap) -> None:
         raise ValueError(f"logit_softcap: expected a positive float or None, got {c!r}")
 
 
-def _check_offsets(k_pages, v_pages, k_scale, v_scale) -> None:
-    """NotImplementedError for a cache array whose int32 offsets would overflow in Pallas'
-    Triton lowering (1-byte pages or NVFP4 block scales of 2^31..2^32 elements)."""
-    check_offsets(dict(k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale))
+def _page_views(k_pages, v_pages, k_scale, v_scale) -> tuple[jax.Array, jax.Array]:
+    """The K / V pages as the kernels read them: 1-byte pages (FP8, NVFP4) whose int32 offsets
+    would overflow in Pallas' Triton lowering (2^31..2^32 elements) through their uint16 pair
+    view (``load_kv_tile`` splits the pairs); NotImplementedError for such an NVFP4 block-scale
+    array (read element-wise, no view)."""
+    check_offsets(dict(k_scale=k_scale, v_scale=v_scale))
+    return (pair_view_if_overflowing("k_pages", k_pages)[0],
+            pair_view_if_overflowing("v_pages", v_pages)[0])
 
 
 @functools.partial(
@@ -837,7 +846,7 @@ def paged_decode(
         )
     if n * p * hk >= 2**31:
         raise NotImplementedError(f"k_pages: {n * p * hk} rows exceed the kernel's int32 row ids")
-    _check_offsets(k_pages, v_pages, k_scale, v_scale)
+    k_pages, v_pages = _page_views(k_pages, v_pages, k_scale, v_scale)
 
     if b == 0 or nq == 0 or block_tables.shape[1] == 0:  # nothing to read: every row is 0
         return jnp.zeros(q.shape, out_dtype)

@@ -52,7 +52,6 @@ from pallas_kernels.paged_attention.config import (
 )
 from pallas_kernels.paged_attention.decode import (
     _Q_DTYPES,
-    _check_offsets,
     _check_options,
     _check_pages,
     _check_scales,
@@ -61,6 +60,7 @@ from pallas_kernels.paged_attention.decode import (
     _expect_shape,
     _grid,
     _out_dtype,
+    _page_views,
     _StaticKV,
     fold_sinks,
     init_carry,
@@ -345,7 +345,7 @@ def paged_prefill(
         )
     if n * p * hk >= 2**31 or b * nq * hq >= 2**31:
         raise NotImplementedError("k_pages / q: rows exceed the kernel's int32 row ids")
-    _check_offsets(k_pages, v_pages, k_scale, v_scale)
+    k_pages, v_pages = _page_views(k_pages, v_pages, k_scale, v_scale)
 
     if b == 0 or nq == 0 or block_tables.shape[1] == 0:  # nothing to read: every row is 0
         return jnp.zeros(q.shape, out_dtype)
