@@ -208,6 +208,8 @@ def test_top_k_equals_lax_top_k(shape, k):
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_array_equal(vals, ref_vals)
     assert (v.size * shape[-1] > PAIRWISE_TOPK_MAX) == (shape[0] == 300)
+    with pytest.raises(ValueError, match="k=17 must lie in"):
+        top_k(jnp.zeros((2, 16)), 17)
 
 
 @pytest.mark.parametrize("name", sorted(ROUTERS))

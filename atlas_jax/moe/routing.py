@@ -82,6 +82,8 @@ def top_k(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     k lowest ranks are picked out by masked integer sums -- the same values (bit for bit) and
     indices as the sort for every non-NaN input, and no sort launch."""
     e = values.shape[-1]
+    if not 0 <= k <= e:
+        raise ValueError(f"top_k: k={k} must lie in [0, {e}] (the last axis' length)")
     if values.size * e > PAIRWISE_TOPK_MAX:
         vals, ids = jax.lax.top_k(values, k)
         return vals, ids.astype(jnp.int32)
