@@ -58,20 +58,24 @@ def test_prefill_pallas_chunk_after_prefix_equals_xla():
     jax.tree.map(np.testing.assert_array_equal, c1, c2)
 
 
-def test_one_byte_cache_of_2_to_4_gib_is_not_given_to_the_kernels():
-    """An FP8 cache array of more than 2**31 elements in at most 2**32 bytes would be indexed
-    with overflowing int32 offsets by Pallas' Triton lowering: "pallas" raises, "auto" names it.
-    (Abstract shapes only: nothing of that size is allocated.)"""
+def test_one_byte_arrays_of_2_to_4_gib_in_the_cache():
+    """A 1-byte cache array of more than 2**31 elements in at most 2**32 bytes would be indexed
+    with overflowing int32 offsets by Pallas' Triton lowering. FP8 / NVFP4 pages of that size go
+    to the kernels through their uint16 view; an NVFP4 block-scale array of that size has none:
+    "pallas" raises, "auto" names it. (Abstract shapes only: nothing is allocated.)"""
     from atlas_jax.ops.paged_attention import paged_attention, pallas_unsupported
 
     cfg = aj.AttentionConfig(hidden_size=1024, num_heads=32, num_kv_heads=8, head_dim=128)
     q = jax.ShapeDtypeStruct((1, 1, 32, 128), jnp.bfloat16)
-    for pages, bad in ((150_000, True), (120_000, False), (300_000, False)):
-        cache = jax.eval_shape(lambda n=pages: aj.PagedKVCache.create(n, 16, cfg, aj.KVDtype.FP8))
-        reason = pallas_unsupported(q, cache)
-        assert (reason is not None) == bad, (pages, reason)
-    cache = jax.eval_shape(lambda: aj.PagedKVCache.create(150_000, 16, cfg, aj.KVDtype.FP8))
-    assert "int32 offsets" in pallas_unsupported(q, cache)
+
+    def cache_of(pages, dtype):
+        return jax.eval_shape(lambda: aj.PagedKVCache.create(pages, 16, cfg, dtype))
+
+    for pages in (150_000, 120_000, 300_000):  # 2.46e9 / 1.97e9 / 4.9e9 bytes of FP8 pages
+        assert pallas_unsupported(q, cache_of(pages, aj.KVDtype.FP8)) is None, pages
+    cache = cache_of(2_200_000, aj.KVDtype.NVFP4)  # block scales: 2.25e9 e4m3
+    assert "k_scale" in pallas_unsupported(q, cache) and "int32 offsets" in pallas_unsupported(
+        q, cache)
     with pytest.raises(NotImplementedError, match="int32 offsets"):
         jax.eval_shape(lambda q, c: paged_attention(
             q, c, jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 1), jnp.int32), scale=0.1,

@@ -111,12 +111,15 @@ def pallas_unsupported(q: jax.Array, cache: PagedKVCache) -> str | None:
         return f"page_size {p}: the Pallas kernels need a power of two"
     from pallas_kernels._offsets import int32_offsets_overflow
 
+    # 1-byte pages of that size go in through their uint16 pair view; NVFP4's block scales
+    # have none
     for name, a in _pages(cache).items():
-        if hasattr(a, "shape") and int32_offsets_overflow(a.shape, a.dtype):
-            return (f"{name} {tuple(a.shape)} {a.dtype}: a 1-byte cache array of more than "
+        if (name.endswith("_scale") and hasattr(a, "shape")
+                and int32_offsets_overflow(a.shape, a.dtype)):
+            return (f"{name} {tuple(a.shape)} {a.dtype}: a 1-byte scale array of more than "
                     "2**31 elements and at most 2**32 bytes, which Pallas' Triton lowering "
-                    "would index with overflowing int32 offsets (size the cache below 2 GiB or "
-                    "above 4 GiB per array)")
+                    "would index with overflowing int32 offsets (size the cache so that it "
+                    "stays below 2 GiB or above 4 GiB)")
     return None
 
 
