@@ -443,6 +443,10 @@ def _variants(base: MoEDecodeConfig) -> dict[str, MoEDecodeConfig]:
                             split_k=2 * base.down.split_k))
     out["down split only"] = MoEDecodeConfig(dataclasses.replace(base.gate_up, split_k=1),
                                              base.down)
+    for f in (2, 4):
+        out[f"gate_up split x{f}"] = MoEDecodeConfig(
+            dataclasses.replace(base.gate_up, split_k=f), dataclasses.replace(base.down,
+                                                                              split_k=1))
     out["block_n=32, split_k=1"] = both(block_n=32, split_k=1)
     return out
 

@@ -337,7 +337,7 @@ class TestKernelInterpret:
             assert rel_err(out, ref) < 2e-3, (pattern, rel_err(out, ref))
 
     # ---- split-K: K ranges not multiples of each other (H = 160 = 2.5 x 64, I = 96 = 3 x 32),
-    # gate_up partials activated in the down kernel's prologue, bias added once ----
+    # gate_up partials summed and activated between the launches, bias added once ----
 
     @pytest.mark.parametrize("fmt,variant,config", [
         (BF16, dict(activation="silu", limit=0.3, bias=True), MoEDecodeConfig(
@@ -467,12 +467,18 @@ def test_config_heuristic():
     cfg = choose_decode_config(1, 8, 128, 2048, 768, "bf16", sm_count=132,
                                device_kind="NVIDIA H200")
     assert cfg.gate_up.block_n * 2 <= 128 and cfg.gate_up.swap_ab and cfg.down.block_m == 16
-    # 1..3 tokens: tiles stay >= 64 wide (32-wide ones were slower on the H200), unsplit
+    # 1..3 tokens: tiles stay >= 64 wide (32-wide ones were slower on the H200), unsplit but
+    # for one FP4 token's gate_up (on a GPU, with K long enough: 16 steps of 128 here)
     for t in (1, 2, 3):
         for fmt in ("bf16", "fp8_block", "nvfp4", "mxfp4"):
             q = choose_decode_config(t, 8, 128, 2048, 768, fmt, sm_count=132)
             assert q.gate_up.block_n == 64 and q.down.block_n >= 64, (t, fmt)
-            assert q.gate_up.split_k == q.down.split_k == 1
+            split = 4 if t == 1 and fmt in ("nvfp4", "mxfp4") else 1
+            assert (q.gate_up.split_k, q.down.split_k) == (split, 1), (t, fmt)
+    assert choose_decode_config(1, 8, 128, 2048, 768, "nvfp4").gate_up.split_k == 1  # no GPU
+    assert choose_decode_config(1, 8, 128, 896, 768, "nvfp4", sm_count=132).gate_up.split_k == 1
+    assert choose_decode_config(1, 4, 128, 2880, 2880, "mxfp4",  # gpt-oss: 180 programs
+                                sm_count=132).gate_up.split_k == 1
     # more tokens: BF16 tiles narrow to 32 until the busy programs cover every SM twice
     mid = choose_decode_config(8, 8, 128, 2048, 768, "bf16", sm_count=1000)
     assert mid.gate_up.block_n == 32

@@ -21,6 +21,15 @@ from pallas_kernels.grouped_matmul.config import (
 MIN_DOT = 16  # smallest tl.dot extent along M, N and K
 FEW_TOKENS = 3  # decode steps of up to this many tokens (1, MTP verify 2-3): block_n >= 64
 F16_DOT_FORMATS = (WeightFormat.FP8_BLOCK, WeightFormat.NVFP4, WeightFormat.MXFP4)  # f16 route
+FP4_FORMATS = (WeightFormat.NVFP4, WeightFormat.MXFP4)
+# One token, FP4 weights, on a GPU, fewer gate_up programs than SMs: the gate_up launch splits
+# K this many ways (its partials summed and activated by one small XLA fusion). Its unsplit
+# programs are too few to hide the per-step unpack (Qwen3-30B-A3B: 8 experts x 12 column
+# tiles = 96 on the H200's 132 SMs; gpt-oss-120b's 4 x 45 and DeepSeek-V3's 8 x 32 are not
+# split: unmeasured).
+# Measured on the H200 (kernels alone, Qwen3-30B-A3B): NVFP4 41.0 -> 36.8 us, MXFP4 45.0 ->
+# 36.2 us; FP8 and BF16 gained nothing, nor did 3 tokens beyond the run-to-run spread.
+ONE_TOKEN_FP4_GATE_UP_SPLIT = 4
 
 
 def _is_pow2(v) -> bool:
@@ -56,7 +65,7 @@ class DecodeTile:
     # Split-K: the K loop is cut into ``split_k`` ranges, one program each (grid axis 2), for
     # steps with too few (expert, N tile) programs to fill the GPU (1..3 tokens). Partials are
     # f32 and summed after the launch, without atomics: down's in the combine; gate_up's
-    # (gate and up pre-activations) in the down kernel's prologue, which activates them.
+    # (gate and up pre-activations) by one small XLA fusion that activates them into h.
     split_k: int = 1
 
     def __post_init__(self):
@@ -152,7 +161,6 @@ def choose_tile(
     sm_count: int | None = None,
     device_kind: str | None = None,
     few_tokens: bool = False,
-    prologue_splits: int = 0,
 ) -> DecodeTile:
     """Pure heuristic: the tile of one decode kernel with ``n`` output columns (per half),
     contraction ``k``, and ``num_programs_per_column`` expected busy expert slots.
@@ -168,11 +176,9 @@ def choose_tile(
 
     ``few_tokens`` (1..3 tokens): ``block_n`` stops at 64 for BF16 too, unsplit. Measured on
     the H200 (Qwen3-30B-A3B, 1 token, kernels alone, device time in a jitted scan): 39.8 us
-    against 42.4 us for 32-wide tiles; splitting K (``split_k`` 2-4, gate_up partials
-    activated in down's prologue) was slower at 1-3 tokens (61-144 us), so the heuristic
-    leaves ``split_k`` at 1; it stays a tunable. ``prologue_splits``: the down kernel after a
-    gate_up split that many ways reads f32 gate and up partials (``2 * 4 * splits`` bytes per
-    activation element) instead of ``x_itemsize``; the shared-memory stages count them.
+    against 42.4 us for 32-wide tiles; splitting K (``split_k`` 2-4, then with gate_up's
+    partials activated in down's prologue) was slower at 1-3 tokens (61-144 us), so the
+    heuristic leaves ``split_k`` at 1; it stays a tunable.
     """
     fmt = WeightFormat.coerce(fmt)
     match fmt:
@@ -196,8 +202,7 @@ def choose_tile(
             block_n //= 2
     num_warps = 4
 
-    a_itemsize = 8 * prologue_splits if prologue_splits else x_itemsize
-    stage_bytes = halves * block_n * block_k * _WEIGHT_BYTES[fmt] + MIN_DOT * block_k * a_itemsize
+    stage_bytes = halves * block_n * block_k * _WEIGHT_BYTES[fmt] + MIN_DOT * block_k * x_itemsize
     budget = _shared_memory_budget(device_kind)
     num_stages = int(max(2, min(4, budget // max(stage_bytes, 1))))
     f16_dot = fmt in F16_DOT_FORMATS and sm_count is not None  # GPU: the cheap conversions
@@ -227,9 +232,12 @@ def choose_decode_config(
                   device_kind=device_kind, num_programs_per_column=busy,
                   few_tokens=num_tokens <= FEW_TOKENS)
     gate_up = choose_tile(intermediate_size, hidden_size, fmt, halves=2, **common)
-    splits = gate_up.split_k if gate_up.split_k > 1 else 0
+    fmt = WeightFormat.coerce(fmt)
+    programs = busy * -(-intermediate_size // gate_up.block_n)
+    if (sm_count is not None and num_tokens == 1 and fmt in FP4_FORMATS and programs < sm_count
+            and -(-hidden_size // gate_up.block_k) >= 2 * ONE_TOKEN_FP4_GATE_UP_SPLIT):
+        gate_up = dataclasses.replace(gate_up, split_k=ONE_TOKEN_FP4_GATE_UP_SPLIT)
     return MoEDecodeConfig(
         gate_up=gate_up,
-        down=choose_tile(hidden_size, intermediate_size, fmt, halves=1, prologue_splits=splits,
-                         **common),
+        down=choose_tile(hidden_size, intermediate_size, fmt, halves=1, **common),
     )

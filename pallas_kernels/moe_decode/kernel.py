@@ -47,8 +47,8 @@ row is scaled by a power of two into ``[2^10, 2^11)`` and the accumulator scaled
 bf16 activations pass exactly. The row's amax over K comes in with the activations: x's from a
 small XLA reduction before the launches, h's from the gate_up kernel, which also writes the
 amax of each h row over its column tile (``[P, I tiles]`` f32; the down kernel takes their
-max). Only the down kernel after a split gate_up, which activates its rows itself, walks them
-once first (this pre-pass, in both kernels, had cost ~10% of an FP8 / NVFP4 step on the H200).
+max). A gate_up split over K (``DecodeTile.split_k``) writes f32 gate and up partials instead;
+one small XLA fusion sums and activates them into h, with its row amax.
 
 An extra stack (``ExtraExperts``: a model's shared expert, same format and per-expert shapes)
 is read by the same two launches: the caller gives each token one more pair with expert id
@@ -286,9 +286,6 @@ class _Static:
     alpha: float
     gather_rows: bool  # rows of a_ref are tokens (via row_map_ref), else the sorted rows
     split_k: int  # K ranges, one program each (grid axis 2); partials out [S, P, G, N] f32
-    prologue: Activation | None  # down after a split gate_up: a_ref [S_in, P, 2, K] gate and
-    #   up pre-activation partials, summed and activated per K step (rounded to h_dtype)
-    h_dtype: jnp.dtype  # the intermediate h's dtype (prologue rounding)
     n: int  # output columns per half
     k: int  # contraction length (unpacked)
     block_m: int
@@ -345,9 +342,9 @@ def _expert_body(
     split,  # this program's K range: steps [kb_lo, kb_hi)
     work_ref,  # [3, U] int32: expert id (E: idle), first sorted row, row count
     row_map_ref,  # [P] int32 token of each sorted row (gate_up) | None (down)
-    a_ref,  # [T, K] x (gate_up) | [P, K] h (down) | [S_in, P, 2, K] f32 (down, prologue)
+    a_ref,  # [T, K] x (gate_up) | [P, K] h (down)
     amax_ref,  # f16 dots: [T, 1] x's row amax | [P, C] h's, per gate_up column tile (max over
-    #   C) | None (bf16/f32 dots; or down after a split gate_up: a pre-pass over the rows)
+    #   C; C = 1 after a split gate_up) | None (bf16/f32 dots)
     w_ref,  # [E, halves, N, Kw] | [E, N, 2, Kw] (interleaved); Kw = K, or K/2 u8 (FP4)
     scale_ref,  # FP8: [E, cdiv(halves*N, b0), cdiv(K, b1)] f32 | FP4: as w_ref, K/16 or K/32
     global_ref,  # [E, R] f32 (NVFP4) | None
@@ -460,16 +457,7 @@ def _expert_body(
         """[bm, len(cs)] activations of the rows ``src`` at K columns ``kb * bk + cs``."""
         kc = kb * bk + cs
         mask = row_mask[:, None] & (kc < st.k)[None, :] if k_ragged else row_mask[:, None]
-        if st.prologue is None:
-            return plgpu.load(a_ref.at[_grid(src, kc)], mask=mask, other=0.0)
-
-        def part(g):  # sum over the gate_up splits of gate (g = 0) or up (g = 1)
-            return functools.reduce(jnp.add, [
-                plgpu.load(a_ref.at[jnp.int32(i), src[:, None], jnp.int32(g), kc[None, :]],
-                           mask=mask, other=0.0) for i in range(a_ref.shape[0])])
-
-        h = _epilogue(part(0), part(1), st.prologue, st.limit, st.alpha)
-        return h.astype(st.h_dtype)  # as the unsplit gate_up stores it
+        return plgpu.load(a_ref.at[_grid(src, kc)], mask=mask, other=0.0)
 
     def a_tiles(src, row_mask, kb):
         """The activation tiles of one K step, one per column set (``col_sets``)."""
@@ -484,27 +472,14 @@ def _expert_body(
     def row_scales(src, row_mask):
         """f16 dots: powers of two ``(up, down)`` [bm] with ``amax * up`` in [2^10, 2^11) over
         each row's whole K, so that the K loop only multiplies and the accumulator is scaled
-        back once. The amax comes with the activations (``amax_ref``: one load); only the
-        down kernel after a split gate_up, whose rows are activated here, makes a pre-pass
-        over them (a serial walk over K, ~10% of an FP8 / NVFP4 step on the H200)."""
-        if amax_ref is not None:
-            c = jnp.arange(pl.next_power_of_2(amax_ref.shape[1]), dtype=jnp.int32)
-            pieces = plgpu.load(amax_ref.at[_grid(src, c)],
-                                mask=row_mask[:, None] & (c < amax_ref.shape[1])[None, :],
-                                other=0.0)  # [bm, C]
-            return _pow2_row_scales(jnp.max(pieces, axis=1))
-
-        def body(kb, m):
-            if st.a_pairs:
-                tiles = a_tiles(src, row_mask, kb)
-            else:
-                tiles = [a_tile(src, row_mask, kb, jnp.arange(bk, dtype=jnp.int32))]
-            for t in tiles:
-                m = jnp.maximum(m, jnp.max(jnp.abs(t.astype(jnp.float32)), axis=1))
-            return m
-
-        amax = jax.lax.fori_loop(kb_lo, kb_hi, body, jnp.zeros((bm,), jnp.float32))
-        return _pow2_row_scales(amax)
+        back once. The amax comes with the activations (``amax_ref``: one load; a pre-pass
+        over the rows here, a serial walk over K, had cost ~10% of an FP8 / NVFP4 step on
+        the H200)."""
+        c = jnp.arange(pl.next_power_of_2(amax_ref.shape[1]), dtype=jnp.int32)
+        pieces = plgpu.load(amax_ref.at[_grid(src, c)],
+                            mask=row_mask[:, None] & (c < amax_ref.shape[1])[None, :],
+                            other=0.0)  # [bm, C]
+        return _pow2_row_scales(jnp.max(pieces, axis=1))
 
     def load_a(src, row_mask, kb, up):
         """One K step of the rows ``src`` [bm]: dot operands per column set [bm, bk(/2)]."""
@@ -712,8 +687,8 @@ def _split_halves(a, halves: int, layout: GateUpLayout):
 
 
 def _launch(a, a_amax, plan, wts: _Weights, extra: _Weights | None, *, fmt, halves, layout,
-            activation, prologue, limit, alpha, block_size, tile: DecodeTile, num_rows,
-            out_dtype, h_dtype, write_amax, interpret, name):
+            activation, limit, alpha, block_size, tile: DecodeTile, num_rows, out_dtype,
+            write_amax, interpret, name):
     """One launch: ``[[split_k, num_rows, planes, N]]`` (planes 2: split gate_up partials),
     and with ``write_amax`` the h rows' amax per column tile ``[num_rows, N tiles]``. Expert
     ids from ``wts``' E on name ``extra``'s experts (same format and per-expert shapes)."""
@@ -735,14 +710,13 @@ def _launch(a, a_amax, plan, wts: _Weights, extra: _Weights | None, *, fmt, halv
     st = _Static(
         fmt=fmt, halves=halves, layout=layout,
         activation=activation, limit=limit, alpha=float(alpha),
-        gather_rows=name == "gate_up", split_k=tile.split_k, prologue=prologue,
-        h_dtype=h_dtype, n=n, k=k, block_m=tile.block_m,
+        gather_rows=name == "gate_up", split_k=tile.split_k, n=n, k=k, block_m=tile.block_m,
         block_n=tile.block_n, block_k=tile.block_k, swap_ab=tile.swap_ab,
         f16_dot=tile.f16_dot, fp8_block=tuple(block_size), global_rows=wts.global_rows,
-        compute_dtype=h_dtype if prologue is not None else jnp.dtype(a.dtype),
+        compute_dtype=jnp.dtype(a.dtype),
         inline_asm=not interpret, w_pairs=w_pairs, write_amax=write_amax,
         main_experts=None if extra is None else wts.w.shape[0],
-        a_pairs=(fmt in (WeightFormat.NVFP4, WeightFormat.MXFP4) and prologue is None
+        a_pairs=(fmt in (WeightFormat.NVFP4, WeightFormat.MXFP4)
                  and jnp.dtype(a.dtype).itemsize == 2))
     if st.a_pairs:
         a = jax.lax.bitcast_convert_type(a.reshape(a.shape[0], k // 2, 2), jnp.uint32)
@@ -887,21 +861,28 @@ def _experts(x, expert_ids, gate_up, down, *, fmt, gate_up_scale, gate_up_global
     plan = make_plan(expert_ids, e_all, pallas=True, interpret=interpret)
     p = plan.token_of_row.shape[0]
     common = dict(fmt=fmt, layout=layout, limit=limit, alpha=alpha, block_size=block_size,
-                  num_rows=p, h_dtype=h_dtype, interpret=interpret)
-    split = config.gate_up.split_k > 1  # gate_up partials, activated in down's prologue
+                  num_rows=p, interpret=interpret)
+    split = config.gate_up.split_k > 1  # gate_up partials, summed and activated by XLA
     # f16 dots scale each activation row by a power of two from its amax: x's here (one small
-    # XLA reduction), h's from gate_up's epilogue (per column tile) unless gate_up is split.
+    # XLA reduction), h's from gate_up's epilogue (per column tile), or from the XLA fusion
+    # that sums and activates a split gate_up's partials.
     x_amax = (jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True)  # [T, 1]
               if config.gate_up.f16_dot else None)
     h, *h_amax = _launch(
         x, x_amax, plan, gu, xgu, halves=2, tile=config.gate_up, name="gate_up",
         out_dtype=jnp.float32 if split else h_dtype, activation=None if split else activation,
-        prologue=None, write_amax=config.down.f16_dot and not split,
+        write_amax=config.down.f16_dot and not split,
         **common)  # [S1, P, 2, I] | [1, P, 1, I]
-    h = h if split else h.reshape(p, inter)
+    if split:  # one small fusion; rows of idle slots hold garbage that no program reads
+        parts = jnp.sum(h, axis=0)  # [P, 2, I]
+        h = _epilogue(parts[:, 0], parts[:, 1], activation, limit, alpha).astype(h_dtype)
+        if config.down.f16_dot:
+            h_amax = [jnp.max(jnp.abs(h.astype(jnp.float32)), axis=1, keepdims=True)]  # [P, 1]
+    else:
+        h = h.reshape(p, inter)
     (y,) = _launch(h, h_amax[0] if h_amax else None, plan, dn, xdn, halves=1, tile=config.down,
-                   out_dtype=jnp.float32, name="down", activation=None,
-                   prologue=activation if split else None, write_amax=False, **common)
+                   out_dtype=jnp.float32, name="down", activation=None, write_amax=False,
+                   **common)
     return y.reshape(config.down.split_k, p, hidden), plan  # [S2, P, H]
 
 
