@@ -189,7 +189,7 @@ def choose_tile(
         case WeightFormat.NVFP4 | WeightFormat.MXFP4:
             block_k = 128
     block_k = max(MIN_DOT, min(block_k, _next_pow2(k)))
-    if fmt in (WeightFormat.NVFP4, WeightFormat.MXFP4):
+    if fmt in FP4_FORMATS:
         block_k = max(block_k, 2 * MIN_DOT, NVFP4_GROUP if fmt is WeightFormat.NVFP4 else
                       MXFP4_GROUP)
 
@@ -227,12 +227,12 @@ def choose_decode_config(
 ) -> MoEDecodeConfig:
     """Pure heuristic: both tiles of a decode step (``sm_count`` / ``device_kind`` from the
     device, None off GPU: then no occupancy rule and bf16 dots)."""
+    fmt = WeightFormat.coerce(fmt)
     busy = expected_distinct_experts(num_tokens, top_k, num_experts)
     common = dict(fp8_block=fp8_block, x_itemsize=x_itemsize, sm_count=sm_count,
                   device_kind=device_kind, num_programs_per_column=busy,
                   few_tokens=num_tokens <= FEW_TOKENS)
     gate_up = choose_tile(intermediate_size, hidden_size, fmt, halves=2, **common)
-    fmt = WeightFormat.coerce(fmt)
     programs = busy * -(-intermediate_size // gate_up.block_n)
     if (sm_count is not None and num_tokens == 1 and fmt in FP4_FORMATS and programs < sm_count
             and -(-hidden_size // gate_up.block_k) >= 2 * ONE_TOKEN_FP4_GATE_UP_SPLIT):

@@ -93,7 +93,12 @@ from pallas_kernels.grouped_matmul.config import (
 )
 from pallas_kernels.grouped_matmul.kernel import _gated, _repeat_cols
 from pallas_kernels.grouped_matmul.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT
-from pallas_kernels.moe_decode.config import DecodeTile, MoEDecodeConfig, choose_decode_config
+from pallas_kernels.moe_decode.config import (
+    FP4_FORMATS,
+    DecodeTile,
+    MoEDecodeConfig,
+    choose_decode_config,
+)
 from pallas_kernels.paged_attention.decode import (
     _grid,
     _pow2_row_scales,
@@ -137,11 +142,11 @@ def make_plan(expert_ids: jax.Array, num_experts: int, *, pallas: bool = False,
     return _sorted_plan(expert_ids, num_experts)
 
 
-def _plan_keys(expert_ids, num_experts):
-    p = expert_ids.shape[0] * expert_ids.shape[1]
-    flat = expert_ids.reshape(p).astype(jnp.int32)
-    routed = (flat >= 0) & (flat < num_experts)
-    return jnp.where(routed, flat, num_experts), routed  # zero experts sort last
+def _plan_keys(ids, num_experts):
+    """Elementwise on int32 pair ids: (sort keys, zero experts -> ``num_experts`` so they sort
+    last; routed mask)."""
+    routed = (ids >= 0) & (ids < num_experts)
+    return jnp.where(routed, ids, num_experts), routed
 
 
 def _count(mask, axis=None):
@@ -185,7 +190,7 @@ def _dense_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
     elementwise producers, into small kernels) instead of a sort, a cumsum, two scatters and a
     gather (each its own launch on the GPU)."""
     t, k = expert_ids.shape
-    key, routed = _plan_keys(expert_ids, num_experts)
+    key, routed = _plan_keys(expert_ids.reshape(-1).astype(jnp.int32), num_experts)
     row_of_pair, token_of_row, expert, first, rows = _pairwise_plan(
         key, routed, k=k, num_experts=num_experts, slots=min(num_experts, t * k))
     return DecodePlan(
@@ -202,9 +207,9 @@ def _plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *, p: int
     n = max(16, pl.next_power_of_2(p))
     idx = jnp.arange(n, dtype=jnp.int32)
     valid = idx < p
-    ids = plgpu.load(ids_ref.at[idx], mask=valid, other=num_experts)
-    routed = valid & (ids >= 0) & (ids < num_experts)
-    key = jnp.where(routed, ids, num_experts)
+    # padding: id num_experts, a zero expert's key (sorts after the real pairs, not routed)
+    key, routed = _plan_keys(plgpu.load(ids_ref.at[idx], mask=valid, other=num_experts),
+                             num_experts)
     padded_slots = max(16, pl.next_power_of_2(slots))
     row_of_pair, token_of_row, *work = _pairwise_plan(
         key, routed, k=k, num_experts=num_experts, slots=padded_slots)
@@ -231,7 +236,7 @@ def _pallas_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool) ->
         name="moe_decode_plan",
     )(flat)
     return DecodePlan(work=work, token_of_row=token_of_row, row_of_pair=row_of_pair.reshape(t, k),
-                      routed=((flat >= 0) & (flat < num_experts)).reshape(t, k))
+                      routed=_plan_keys(flat, num_experts)[1].reshape(t, k))
 
 
 def _sorted_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
@@ -239,7 +244,7 @@ def _sorted_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
     t, k = expert_ids.shape
     p = t * k
     u = min(num_experts, p)
-    key, routed = _plan_keys(expert_ids, num_experts)
+    key, routed = _plan_keys(expert_ids.reshape(-1).astype(jnp.int32), num_experts)
     row = jnp.arange(p, dtype=jnp.int32)
     sorted_key, order = jax.lax.sort((key, row), num_keys=1, is_stable=True)  # [P], [P]
     prev = jnp.concatenate([jnp.full((1,), -1, jnp.int32), sorted_key[:-1]])
@@ -366,7 +371,7 @@ def _expert_body(
     n_ragged = st.n % bn != 0
     k_ragged = st.k % bk != 0
     col_mask = cols < st.n
-    fp4 = st.fmt in (WeightFormat.NVFP4, WeightFormat.MXFP4)
+    fp4 = st.fmt in FP4_FORMATS
     interleaved = st.layout is GateUpLayout.INTERLEAVED
     precision = jax.lax.Precision.HIGHEST if st.compute_dtype == jnp.float32 else None
     div = jax.lax.div  # non-negative integer division without jnp's sign fix-ups
@@ -716,8 +721,7 @@ def _launch(a, a_amax, plan, wts: _Weights, extra: _Weights | None, *, fmt, halv
         compute_dtype=jnp.dtype(a.dtype),
         inline_asm=not interpret, w_pairs=w_pairs, write_amax=write_amax,
         main_experts=None if extra is None else wts.w.shape[0],
-        a_pairs=(fmt in (WeightFormat.NVFP4, WeightFormat.MXFP4)
-                 and jnp.dtype(a.dtype).itemsize == 2))
+        a_pairs=fmt in FP4_FORMATS and jnp.dtype(a.dtype).itemsize == 2)
     if st.a_pairs:
         a = jax.lax.bitcast_convert_type(a.reshape(a.shape[0], k // 2, 2), jnp.uint32)
     for prefix, ops in (("", main), ("extra_", extra_ops or ())):
