@@ -43,7 +43,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._dequant import F16_FP4_FACTOR, e2m1_to_f32, e8m0_to_f32, fp4_to_f16_scaled
 from pallas_kernels._device import device_kind, device_sm_count
-from pallas_kernels._offsets import check_offsets, pair_view_if_overflowing
+from pallas_kernels._offsets import bytes_of_pairs, check_offsets, pair_view_if_overflowing
 from pallas_kernels.grouped_matmul.config import (
     FP8_ACT_GROUP,
     MXFP4_GROUP,
@@ -182,7 +182,7 @@ def grouped_matmul_kernel(
     def load_w_cols(g, h, kb, step, row_len):
         """``[bn, step]`` of ``w_ref[g, h]``'s columns ``[kb*step, (kb+1)*step)`` (masked past
         N and ``row_len``). With ``st.w_pairs`` w_ref holds byte pairs as uint16 (low byte
-        first): read ``step/2`` pairs and split them into int32 byte values."""
+        first): read ``step/2`` pairs and split them into their uint8 bytes."""
         if st.w_pairs:
             step, row_len = step // 2, row_len // 2
         mask_parts = [col_mask[:, None]] if n_ragged else []
@@ -190,10 +190,7 @@ def grouped_matmul_kernel(
             mask_parts.append((kb * step + jnp.arange(step) < row_len)[None, :])
         mask = functools.reduce(jnp.logical_and, mask_parts) if mask_parts else None
         w = masked_load(w_ref.at[w_index(g, h, pl.ds(n0, bn), pl.ds(kb * step, step))], mask)
-        if not st.w_pairs:
-            return w
-        pairs = w.astype(jnp.int32)
-        return _interleave_cols(pairs & 0xFF, pairs >> 8)
+        return bytes_of_pairs(w) if st.w_pairs else w
 
     def load_w(g, h, kb):
         """Returns ([bn, bk] dot operand, [bn] f32 per-column scale of this K step or None)."""
@@ -206,8 +203,8 @@ def grouped_matmul_kernel(
                 w = load_w_cols(g, h, kb, bk, st.k)
                 if st.fmt is WeightFormat.BF16:
                     return w.astype(st.compute_dtype), None
-                if st.w_pairs:  # int32 bytes -> e4m3
-                    w = jax.lax.bitcast_convert_type(w.astype(jnp.uint8), jnp.float8_e4m3fn)
+                if st.w_pairs:  # bytes -> e4m3
+                    w = jax.lax.bitcast_convert_type(w, jnp.float8_e4m3fn)
                 b0, b1 = st.fp8_block
                 s_idx = (g, div(orig_rows(h), b0), div(kb, b1 // bk))
                 s = (
@@ -223,7 +220,7 @@ def grouped_matmul_kernel(
                 if k_ragged:
                     s_parts.append((kb * ks + jnp.arange(ks) < st.k // group)[None, :])
                 s_mask = functools.reduce(jnp.logical_and, s_parts) if s_parts else None
-                packed = load_w_cols(g, h, kb, kp, st.k // 2).astype(jnp.uint8)  # [bn, bk/2]
+                packed = load_w_cols(g, h, kb, kp, st.k // 2)  # [bn, bk/2] uint8
                 raw_s = masked_load(
                     scale_ref.at[w_index(g, h, pl.ds(n0, bn), pl.ds(kb * ks, ks))], s_mask
                 )  # [bn, bk/group]
