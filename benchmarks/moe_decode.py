@@ -76,7 +76,9 @@ SWEEP_ONLY = {"deepseek-v3-shared": (7168, 2048, 1, 1, dict())}
 TINY = {"tiny": (64, 64, 8, 2, dict(shared_intermediate_size=64)),
         "tiny-gpt-oss": (64, 32, 8, 2, SHAPES["gpt-oss-120b"][4])}
 FORMATS = {"bf16": Format.BF16, "fp8": Format.FP8_BLOCK, "nvfp4": Format.NVFP4,
-           "mxfp4": Format.MXFP4}
+           "mxfp4": Format.MXFP4, "fp8_w8a8": Format.FP8_BLOCK}
+# Formats whose layers also quantize the activations (MoEConfig's act_quant fields): W8A8
+ACT_QUANT = {"fp8_w8a8": dict(gate_up_act_quant="fp8", down_act_quant="fp8")}
 TOKENS = (1, 2, 3, 8, 32, 64)
 ROTATE = 8  # input sets per timing loop
 
@@ -104,10 +106,14 @@ def make_weight(key, g: int, n: int, k: int, fmt: Format, chunk: int = 16) -> QT
     return dataclasses.replace(q, shape=(g, n, k))
 
 
-def make_layer(shape: str, fmt: Format, seed: int = 0) -> MoEParams:
+def make_layer(shape: str, fmt: Format | str, seed: int = 0) -> MoEParams:
+    """The layer of ``shape`` in ``fmt`` (a Format, or a ``FORMATS`` name: ``fp8_w8a8`` adds
+    the W8A8 activation quantization)."""
     h, i, e, k, extra = (SHAPES | SWEEP_ONLY | TINY)[shape]
+    quant = ACT_QUANT.get(fmt, {}) if isinstance(fmt, str) else {}
+    fmt = FORMATS[fmt] if isinstance(fmt, str) else fmt
     cfg = MoEConfig(hidden_size=h, intermediate_size=i, num_experts=e, top_k=k,
-                    expert_format=fmt, **extra)
+                    expert_format=fmt, **extra, **quant)
     keys = jax.random.split(jax.random.key(seed), 8)
 
     def small(key, shape_, scale, dtype=jnp.bfloat16):
@@ -184,14 +190,15 @@ def _check_kernels(e, h, inter, t, k) -> list[dict]:
         dn = make_weight(jax.random.key(3), e, h, inter, fmt)
         kw = dict(fmt=fmt.value, gate_up_scale=gu.scale, gate_up_global_scale=gu.global_scale,
                   down_scale=dn.scale, down_global_scale=dn.global_scale,
-                  activation="gpt_oss", gate_up_layout="interleaved")
+                  activation="gpt_oss", gate_up_layout="interleaved", **ACT_QUANT.get(name, {}))
         if fmt is Format.FP8_BLOCK:
             kw["block_size"] = gu.block
         ref = moe_decode_reference(x, ids, weights, gu.data, dn.data, **kw)
         base = choose_decode_config(t, k, e, h, inter, fmt.value, fp8_block=gu.block,
-                                    sm_count=device_sm_count(), device_kind=device_kind())
+                                    sm_count=device_sm_count(), device_kind=device_kind(),
+                                    **ACT_QUANT.get(name, {}))
         variants = {"heuristic": base}
-        if fmt is not Format.BF16:  # every quantized format has an f16-dot route
+        if fmt is not Format.BF16 and name not in ACT_QUANT:  # the f16-dot route, or not
             for f16 in (False, True):
                 variants[f"f16_dot={f16}"] = MoEDecodeConfig(
                     dataclasses.replace(base.gate_up, f16_dot=f16),
@@ -211,8 +218,8 @@ def _check_moe_forward(tiny: bool) -> list[dict]:
     rows = []
     shapes = list(TINY) if tiny else ["qwen3-30b-a3b"]
     for shape in shapes:
-        for name in ("bf16", "nvfp4"):
-            p = make_layer(shape, FORMATS[name])
+        for name in ("bf16", "nvfp4", "fp8_w8a8"):
+            p = make_layer(shape, name)
             xx = token_sets(8, p.config.hidden_size, 1)[0]
             f = jax.jit(aj.moe_forward, static_argnames="kernels")
             err = rel_err(f(p, xx, kernels=PALLAS), f(p, xx, kernels=XLA_DECODE))
@@ -250,7 +257,7 @@ def bench(shapes, formats, token_counts, *, hbm: float, loops: int,
     rows = []
     for shape in shapes:
         for name in formats:
-            p = make_layer(shape, FORMATS[name])
+            p = make_layer(shape, name)
             per_expert, shared = expert_bytes(p), shared_bytes(p)
             for tokens in token_counts:
                 xs = token_sets(tokens, p.config.hidden_size)
@@ -312,7 +319,7 @@ def bench_shared(shapes, formats, token_counts, *, hbm: float, loops: int) -> li
         if not (SHAPES | SWEEP_ONLY | TINY)[shape][4].get("shared_intermediate_size"):
             continue
         for name in formats:
-            p = make_layer(shape, FORMATS[name])
+            p = make_layer(shape, name)
             bare = dataclasses.replace(
                 p, shared_gate_up=None, shared_down=None,
                 config=dataclasses.replace(p.config, shared_intermediate_size=0))
@@ -360,13 +367,13 @@ def sweep(shapes, formats, token_counts, *, hbm: float, loops: int,
     rows, seen = [], set()
     for shape in shapes:
         for name in formats:
-            p = make_layer(shape, FORMATS[name])
+            p = make_layer(shape, name)
             cfg = p.config
             per_expert = expert_bytes(p)
             gu, dn = p.gate_up, p.down
             static = dict(fmt=gu.format.value, activation=cfg.activation.value,
                           gate_up_layout=cfg.gate_up_layout.value, limit=cfg.swiglu_limit,
-                          interpret=device_sm_count() is None)
+                          interpret=device_sm_count() is None, **ACT_QUANT.get(name, {}))
             if gu.format is Format.FP8_BLOCK:
                 static["block_size"] = gu.block
             arrays = dict(gate_up_scale=gu.scale, gate_up_global_scale=gu.global_scale,
@@ -379,7 +386,7 @@ def sweep(shapes, formats, token_counts, *, hbm: float, loops: int,
                 base = choose_decode_config(
                     tokens, cfg.top_k, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size,
                     gu.format.value, fp8_block=gu.block, sm_count=device_sm_count(),
-                    device_kind=device_kind())
+                    device_kind=device_kind(), **ACT_QUANT.get(name, {}))
                 inputs = [(x, r.expert_ids, r.weights) for x, r in zip(xs, routes, strict=True)]
                 variants = _variants(base)
                 seen.update(variants)

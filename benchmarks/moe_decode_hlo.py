@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="GPU time of each kernel per step (needs torch)")
     args = parser.parse_args()
-    p = make_layer(args.shape, FORMATS[args.format])
+    p = make_layer(args.shape, args.format)
     step = jax.jit(aj.moe_forward, static_argnames="kernels")
     for t in args.tokens:
         x = jnp.zeros((t, p.config.hidden_size), jnp.bfloat16)

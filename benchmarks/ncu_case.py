@@ -52,7 +52,7 @@ def parse_config(text: str) -> DecodeConfig:
 
 
 def moe_call(shape: str, fmt: str, tokens: int):
-    params = md.make_layer(shape, md.FORMATS[fmt])
+    params = md.make_layer(shape, fmt)
     x = md.token_sets(tokens, params.config.hidden_size, 1)[0]
     fn = jax.jit(lambda p, x: aj.moe_forward(p, x, kernels=md.PALLAS))
     return lambda: fn(params, x)

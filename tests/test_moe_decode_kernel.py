@@ -17,6 +17,7 @@ import math
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -111,6 +112,11 @@ CASES = [  # (T, k, format, variant)
     (33, 2, NVFP4, dict(GPT_OSS, f16=True)),
     (1, 4, MXFP4, dict()),
     (3, 2, MXFP4, dict(GPT_OSS, bias=True, f16=True)),
+    # W8A8: e4m3 x e4m3 dots on activations quantized per row per 128 of K (two 64-wide K
+    # steps per activation group), both launches or one of them
+    (3, 2, FP8, dict(gate_up_act_quant="fp8", down_act_quant="fp8")),
+    (8, 2, FP8, dict(GPT_OSS, bias=True, down_act_quant="fp8")),
+    (33, 2, FP8, dict(gate_up_act_quant="fp8")),
 ]
 CASE_IDS = [f"T{t}-k{k}-{fmt.value}-" + "-".join(
     f"{n}={getattr(v, '__name__', v)}" for n, v in variant.items() if n != "gate_up_layout")
@@ -121,7 +127,7 @@ PATTERNS = ("random", "repeated", "one_expert", "zero_experts", "all_zero", "dup
 
 
 def make_weights(rng, fmt: WeightFormat, n: int, k: int, *, global_rows: int = 1,
-                 e: int = E) -> dict:
+                 e: int = E, fp8_block: tuple[int, int] = FP8_BLOCK) -> dict:
     """Random (never all-zero) ``[e, n, k]`` weights of one format, drawn with numpy (no XLA
     compiles): the kernel's keyword arrays ``w``, ``scale``, ``global_scale``."""
     match fmt:
@@ -130,7 +136,7 @@ def make_weights(rng, fmt: WeightFormat, n: int, k: int, *, global_rows: int = 1
             return dict(w=jnp.asarray(w.astype(ml_dtypes.bfloat16)))
         case WeightFormat.FP8_BLOCK:
             w = (64.0 * rng.standard_normal((e, n, k), np.float32)).astype(ml_dtypes.float8_e4m3fn)
-            s_shape = (e, -(-n // FP8_BLOCK[0]), -(-k // FP8_BLOCK[1]))
+            s_shape = (e, -(-n // fp8_block[0]), -(-k // fp8_block[1]))
             s = rng.uniform(0.5, 2.0, s_shape).astype(np.float32) / (64.0 * np.sqrt(k))
             return dict(w=jnp.asarray(w), scale=jnp.asarray(s))
         case WeightFormat.NVFP4:
@@ -146,14 +152,15 @@ def make_weights(rng, fmt: WeightFormat, n: int, k: int, *, global_rows: int = 1
 
 @functools.cache
 def expert_arrays(fmt: WeightFormat, *, bias: bool = False, seed: int = 0,
-                  dims: tuple[int, int, int] = (E, H, I)) -> dict:
+                  dims: tuple[int, int, int] = (E, H, I),
+                  fp8_block: tuple[int, int] = FP8_BLOCK) -> dict:
     """Keyword arrays of both stacks (gate_up with two NVFP4 global-scale row segments);
     ``dims`` = (experts, H, I)."""
     e, h, inter = dims
     rng = np.random.default_rng(seed)
-    gu = make_weights(rng, fmt, 2 * inter, h, global_rows=2, e=e)
-    dn = make_weights(rng, fmt, h, inter, e=e)
-    kw = dict(gate_up=gu.pop("w"), down=dn.pop("w"), fmt=fmt, block_size=FP8_BLOCK)
+    gu = make_weights(rng, fmt, 2 * inter, h, global_rows=2, e=e, fp8_block=fp8_block)
+    dn = make_weights(rng, fmt, h, inter, e=e, fp8_block=fp8_block)
+    kw = dict(gate_up=gu.pop("w"), down=dn.pop("w"), fmt=fmt, block_size=fp8_block)
     kw.update({f"gate_up_{name}": v for name, v in gu.items()})
     kw.update({f"down_{name}": v for name, v in dn.items()})
     if bias:
@@ -211,6 +218,20 @@ def assert_pairs_close(out, ref, ids):
         np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
 
 
+def _converts_outside_pallas(jaxpr) -> list:
+    """Target dtypes of the converts a jaxpr runs outside pallas_call bodies (nested jits
+    walked)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            continue
+        if eqn.primitive.name == "convert_element_type":
+            out.append(eqn.params["new_dtype"])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out += _converts_outside_pallas(sub)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernel vs reference.
 # ---------------------------------------------------------------------------------------------
@@ -262,6 +283,34 @@ class TestKernelInterpret:
         out = moe_decode_pairs(x, ids, config=F16_CONFIG, interpret=True, **arrays)
         ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **arrays)
         assert_each_row_close(out, ref, ids, E)
+
+    @pytest.mark.parametrize("t,variant", [
+        (3, dict(gate_up_act_quant="fp8", down_act_quant="fp8")),
+        (33, dict(GPT_OSS, bias=True, gate_up_act_quant="fp8")),
+        (2, dict(down_act_quant="fp8", split=True)),  # h from the split's XLA fusion
+    ], ids=["T3-both", "T33-gate_up-gpt_oss-bias", "T2-down-split"])
+    def test_w8a8_quantized_in_the_kernel(self, t, variant):
+        """W8A8 with 128-wide K steps: each step's activation tile is one quantization group
+        per row and is quantized in registers (no XLA pass before the launch; H = 160 and I
+        = 96 end in partial groups, as the reference pads them); equals the reference that
+        quantizes with quantize_activations_fp8."""
+        variant = dict(variant)
+        split = 2 if variant.pop("split", False) else 1
+        arrays = expert_arrays(FP8, bias=variant.pop("bias", False), fp8_block=(32, 128))
+        config = MoEDecodeConfig(DecodeTile(64, 128, split_k=split), DecodeTile(64, 128))
+        def xla_e4m3_values(config):  # quantizations to e4m3 outside the kernels
+            jaxpr = jax.make_jaxpr(functools.partial(
+                moe_decode_pairs, config=config, interpret=True, **arrays, **variant))(
+                    make_x(t), routing("random", t, 2))
+            return _converts_outside_pallas(jaxpr.jaxpr).count(jnp.dtype(jnp.float8_e4m3fn))
+
+        assert xla_e4m3_values(config) == 0
+        bk64 = MoEDecodeConfig(DecodeTile(64, 64, split_k=split), DecodeTile(64, 64))
+        # 64-wide steps: XLA quantizes each W8A8 launch's activations first
+        assert xla_e4m3_values(bk64) == sum(q in variant for q in ("gate_up_act_quant",
+                                                                   "down_act_quant"))
+        self.check(t, 2, ("random", "one_expert", "zero_experts"), config=config, **arrays,
+                   **variant)
 
     # ---- a second expert stack read by the same launches (the shared expert folded in) ----
 
@@ -498,6 +547,19 @@ def test_config_heuristic():
         DecodeTile(block_n=32, block_k=64, split_k=0)
     with pytest.raises(ValueError, match="DecodeTile.block_k: nvfp4 needs"):
         DecodeTile(block_n=32, block_k=16).check_format("nvfp4")
+    # W8A8: e4m3 dots (no f16 route), K steps dividing the activation group of 128
+    w8a8 = choose_decode_config(8, 8, 128, 2048, 768, "fp8_block", sm_count=132,
+                                gate_up_act_quant="fp8", down_act_quant="fp8")
+    for tile in (w8a8.gate_up, w8a8.down):
+        assert not tile.f16_dot and 128 % tile.block_k == 0 and tile.block_k >= 32
+    assert choose_decode_config(8, 8, 128, 2048, 768, "fp8_block", sm_count=132,
+                                down_act_quant="fp8").gate_up.f16_dot
+    with pytest.raises(ValueError, match="W8A8 .* needs FP8_BLOCK"):
+        DecodeTile(64, 64).check_format("nvfp4", act_quant="fp8")
+    with pytest.raises(ValueError, match="W8A8 needs block_k in"):
+        DecodeTile(64, 16).check_format("fp8_block", act_quant="fp8")
+    with pytest.raises(ValueError, match="f16_dot: W8A8"):
+        DecodeTile(64, 64, f16_dot=True).check_format("fp8_block", act_quant="fp8")
 
 
 _SD = jax.ShapeDtypeStruct
@@ -524,7 +586,7 @@ def _lowering_arrays(fmt: WeightFormat, n: int, k: int, prefix: str) -> dict:
 
 @pytest.mark.parametrize("fmt,f16,pairs", [(f, False, False) for f in WeightFormat] + [
     (FP8, True, False), (NVFP4, True, False), (MXFP4, True, False), (FP8, True, True),
-    (MXFP4, False, True), (MXFP4, True, True)])
+    (MXFP4, False, True), (MXFP4, True, True), (FP8, "w8a8", False), (FP8, "w8a8", True)])
 def test_lowers_to_triton_for_h200(fmt, f16, pairs, monkeypatch):
     arrays = _lowering_arrays(fmt, 2 * _LI, _LH, "gate_up") | _lowering_arrays(
         fmt, _LH, _LI, "down")
@@ -535,12 +597,15 @@ def test_lowers_to_triton_for_h200(fmt, f16, pairs, monkeypatch):
         monkeypatch.setattr(_offsets, "INT32_OFFSET_LIMIT", limit)
         jax.clear_caches()
     # N and K ragged in both launches (160 = 2.5 x 64, 576 = 4.5 x 128)
+    quant = {}
+    if f16 == "w8a8":  # e4m3 x e4m3 dots in both launches
+        f16, quant = False, dict(gate_up_act_quant="fp8", down_act_quant="fp8")
     config = MoEDecodeConfig(DecodeTile(64, 128, f16_dot=f16),
                              DecodeTile(128, 128, num_warps=8, f16_dot=f16))
 
     def f(x, ids, w, arrays):
         return moe_decode(x, ids, w, fmt=fmt, activation="gpt_oss", gate_up_layout="interleaved",
-                          config=config, **arrays)
+                          config=config, **arrays, **quant)
 
     dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
@@ -591,6 +656,57 @@ def test_moe_forward_decode_equals_prefill_and_xla(name, fmt, shared_fmt):
     chex.assert_tree_all_finite(y)
     assert rel_err(y, y_xla) < 1e-2
     assert rel_err(y, y_pre) < 1e-2
+
+
+_make_w8a8 = jax.jit(make, static_argnames=("name", "fmt", "dtype", "shared_expert_format",
+                                            "gate_up_act_quant", "down_act_quant"))
+
+
+@pytest.mark.parametrize("name,tokens,quant", [
+    ("deepseek_v3", 9, dict(gate_up_act_quant="fp8", down_act_quant="fp8")),  # shared folds
+    ("deepseek_v3", 17, dict(down_act_quant="fp8")),  # shared expert on its own (dense)
+    ("qwen3", 3, dict(gate_up_act_quant="fp8")),
+])
+def test_moe_forward_w8a8_every_path(name, tokens, quant):
+    """MoEConfig's activation quantization (W8A8) reaches every path of an FP8_BLOCK layer: the
+    decode kernels, XLA's decode path, the prefill grouped matmuls (Triton kernel and XLA)
+    agree, and all differ from the weight-only (W8A16) layer by the e4m3 rounding of the
+    activations (percents), so the fields are not ignored."""
+    kw = dict(name=name, fmt=Format.FP8_BLOCK, dtype=jnp.bfloat16,
+              shared_expert_format=Format.FP8_BLOCK)
+    p = _make_w8a8(**kw, **quant)
+    x = moe_tokens(tokens)
+    f = jax.jit(aj.moe_forward, static_argnames="kernels")
+    y_xla = f(p, x, kernels=XLA_DECODE)
+    for kernels in (PALLAS_DECODE, XLA_PREFILL,
+                    aj.KernelConfig(grouped_matmul="pallas", moe_path="prefill")):
+        y = f(p, x, kernels=kernels)
+        chex.assert_tree_all_finite(y)
+        # XLA's paths round dequantized FP8 weights to bf16 (transformers' dequantize mode);
+        # the kernels scale f32 partials: ~0.4% apart unquantized, more once a differing h
+        # is rounded to e4m3
+        assert rel_err(y, y_xla) < 2e-2, (kernels, rel_err(y, y_xla))
+    w8a16 = f(_make_w8a8(**kw), x, kernels=XLA_DECODE)  # the same path without quantization
+    assert 5e-3 < rel_err(y_xla, w8a16) < 0.1, rel_err(y_xla, w8a16)
+
+
+def test_act_quant_errors():
+    """W8A8 on weights that are not FP8_BLOCK, and FP4 activations (no FP4 tensor cores
+    here), raise instead of being ignored."""
+    p = _make(name="qwen3", fmt=Format.BF16, dtype=jnp.bfloat16)
+    x = moe_tokens(2)
+    sizes = jnp.asarray([2] + [0] * 7, jnp.int32)
+    with pytest.raises(ValueError, match="act_quant=fp8 .* needs FP8_BLOCK"):
+        aj.ops.grouped_matmul(x, p.gate_up, sizes, act_quant="fp8")
+    with pytest.raises(ValueError, match="act_quant=fp8 .* needs FP8_BLOCK"):
+        aj.ops.moe_decode(x, jnp.zeros((2, 1), jnp.int32), p.gate_up, p.down,
+                          down_act_quant="fp8")
+    p4 = _make(name="qwen3", fmt=Format.NVFP4, dtype=jnp.bfloat16)
+    nv = dataclasses.replace(p4, config=dataclasses.replace(p4.config,
+                                                            gate_up_act_quant="nvfp4"))
+    for kernels in (XLA_DECODE, XLA_PREFILL):
+        with pytest.raises(NotImplementedError, match="nvfp4 .*FP4 tensor cores"):
+            aj.moe_forward(nv, x, kernels=kernels)
 
 
 @pytest.mark.parametrize("shared_fmt,tokens,kernels", [
@@ -738,23 +854,28 @@ ON_GPU = jax.devices()[0].platform == "gpu"
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Triton kernels")
 @pytest.mark.parametrize("t", [1, 8, 33])
-@pytest.mark.parametrize("fmt,spread", [(f, False) for f in WeightFormat] + [(MXFP4, True)],
-                         ids=[f.value for f in WeightFormat] + ["mxfp4-spread"])
-def test_compiled_on_gpu_against_reference(fmt, spread, t):
+@pytest.mark.parametrize("fmt,variant", [(f, None) for f in WeightFormat] + [
+    (MXFP4, "spread"), (FP8, "w8a8"), (FP8, "w8a8-b64")], ids=[f.value for f in WeightFormat] + [
+        "mxfp4-spread", "fp8-w8a8", "fp8-w8a8-b64"])
+def test_compiled_on_gpu_against_reference(fmt, variant, t):
     """Every (token, slot) row of the compiled kernels matches the reference on its own, rows
     spanning 1e-3 .. 1e3, gpt-oss's clamped activation. ``spread``: MXFP4 scales over 2^-27 ..
     2^8 (the f16 route's per-step largest scale leaves a step's small blocks to f16
     subnormals), under SiLU: the flushed blocks' error is absolute, a fraction of the row's
     pre-activation scale, and a clamp at 7 of pre-activations in the thousands (the 1e3 rows)
     leaves h of magnitude 7 carrying it (5.7% on such a row in interpret mode, against 1e-4
-    unclamped)."""
+    unclamped). ``w8a8``: e4m3 x e4m3 dots, x and h quantized in the kernels (128-wide K
+    steps, 128 x 128 weight blocks); ``w8a8-b64``: quantized by XLA first (64-wide steps)."""
     e, h, inter, k = 16, 1024, 512, 4
     rng = np.random.default_rng(100 * t + list(WeightFormat).index(fmt))
-    kw = expert_arrays(fmt, seed=1, dims=(e, h, inter))
-    if spread:
+    kw = expert_arrays(fmt, seed=1, dims=(e, h, inter),
+                       fp8_block=(128, 128) if variant == "w8a8" else FP8_BLOCK)
+    if variant == "spread":
         kw = dict(with_spread_mxfp4_scales(kw, rng, 100, 136), activation="silu")
     else:
         kw = dict(kw, activation="gpt_oss", gate_up_layout="interleaved")
+    if variant and variant.startswith("w8a8"):
+        kw.update(gate_up_act_quant="fp8", down_act_quant="fp8")
     ids = np.stack([rng.permutation(e)[:k] for _ in range(t)])
     ids[0, -1] = e  # a zero expert
     ids = jnp.asarray(ids, jnp.int32)

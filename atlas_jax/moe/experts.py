@@ -1,5 +1,9 @@
 """Expert MLPs: the prefill (sorted grouped matmul) and decode (gather the selected experts
-only) variants, and the shared expert."""
+only) variants, and the shared expert.
+
+``MoEConfig.gate_up_act_quant`` / ``down_act_quant`` (W8A8) apply to every FP8_BLOCK expert
+matmul of the layer: the routed experts and a shared expert stored in FP8_BLOCK
+(``act_quants``)."""
 
 from __future__ import annotations
 
@@ -7,14 +11,28 @@ import jax
 import jax.numpy as jnp
 
 from atlas_jax import ops
-from atlas_jax.config import Backend, Format, GateUpLayout, KernelConfig, MoEConfig
+from atlas_jax.config import ActQuant, Backend, Format, GateUpLayout, KernelConfig, MoEConfig
 from atlas_jax.moe.dispatch import combine, permute, unpermute
 from atlas_jax.moe.params import MoEParams
 from atlas_jax.moe.routing import Routing
 from atlas_jax.ops.activation import GateUp, gated_activation
-from atlas_jax.ops.grouped_matmul import compute_dtype
+from atlas_jax.ops.grouped_matmul import compute_dtype, quantized_activations
 from atlas_jax.ops.moe_decode import extra_unsupported_reason
 from atlas_jax.quant import QTensor, dequantize
+
+
+def act_quants(cfg: MoEConfig, fmt: Format) -> dict[str, ActQuant]:
+    """``{gate_up_act_quant, down_act_quant}`` for an expert matmul pair stored in ``fmt``: the
+    config's where ``fmt`` is FP8_BLOCK (the validated case), none otherwise. NVFP4 activations
+    (W4A4) raise NotImplementedError: they need FP4 tensor cores, which no path here uses."""
+    for name in ("gate_up_act_quant", "down_act_quant"):
+        if getattr(cfg, name) is ActQuant.NVFP4:
+            raise NotImplementedError(
+                f"MoEConfig.{name}=nvfp4 (W4A4): FP4 activations need FP4 tensor cores "
+                "(sm_100+); atlas_jax implements W8A8 (fp8) and weight-only formats")
+    fp8 = fmt is Format.FP8_BLOCK
+    return dict(gate_up_act_quant=cfg.gate_up_act_quant if fp8 else ActQuant.NONE,
+                down_act_quant=cfg.down_act_quant if fp8 else ActQuant.NONE)
 
 
 def routed_experts_prefill(params: MoEParams, x: jax.Array, r: Routing,
@@ -24,11 +42,13 @@ def routed_experts_prefill(params: MoEParams, x: jax.Array, r: Routing,
     cfg = params.config
     p = permute(r.expert_ids, cfg.num_experts)
     xs = x[p.token_of_row]  # [T*k, H] rows sorted by expert
+    quant = act_quants(cfg, params.gate_up.format)
     a = ops.grouped_matmul(xs, params.gate_up, p.group_sizes, bias=params.gate_up_bias,
-                           epilogue=GateUp.of(cfg), kernels=kernels)  # [T*k, I] f32
+                           epilogue=GateUp.of(cfg), kernels=kernels,
+                           act_quant=quant["gate_up_act_quant"])  # [T*k, I] f32
     a = a.astype(compute_dtype(x))
     y = ops.grouped_matmul(a, params.down, p.group_sizes, bias=params.down_bias,
-                           kernels=kernels)  # [T*k, H] f32
+                           kernels=kernels, act_quant=quant["down_act_quant"])  # [T*k, H] f32
     return combine(unpermute(y, p), x, r, cfg.num_experts)
 
 
@@ -53,8 +73,8 @@ def routed_experts_decode(params: MoEParams, x: jax.Array, r: Routing,
         extra = (params.shared_gate_up.stacked(), params.shared_down.stacked())
     pairs = ops.moe_decode(x, ids, params.gate_up, params.down,
                            gate_up_bias=params.gate_up_bias, down_bias=params.down_bias,
-                           epilogue=GateUp.of(cfg), kernels=kernels,
-                           extra=extra)  # [T, k (+1), H] f32
+                           epilogue=GateUp.of(cfg), kernels=kernels, extra=extra,
+                           **act_quants(cfg, params.gate_up.format))  # [T, k (+1), H] f32
     y = combine(pairs[:, :k].reshape(t * k, -1), x, r, e)
     if fold_shared:
         y = y + _shared_gated(params, x, pairs[:, k])
@@ -63,12 +83,18 @@ def routed_experts_decode(params: MoEParams, x: jax.Array, r: Routing,
 
 def dense_mlp(x: jax.Array, gate_up: QTensor, down: QTensor, cfg: MoEConfig) -> jax.Array:
     """One (shared) expert, gate|up concatenated: [T, H] -> [T, H] f32."""
-    dtype = compute_dtype(x)
-    h = jnp.einsum("th,nh->tn", x.astype(dtype), dequantize(gate_up, dtype=dtype),
-                   preferred_element_type=jnp.float32)
-    a = gated_activation(h, GateUp.of(cfg, GateUpLayout.CONCATENATED)).astype(dtype)
-    return jnp.einsum("ti,hi->th", a, dequantize(down, dtype=dtype),
-                      preferred_element_type=jnp.float32)
+    quant = act_quants(cfg, gate_up.format)
+
+    def matmul(act, w, act_quant):  # W8A8: the dequantized products in float32
+        act = quantized_activations(act, act_quant)
+        d = compute_dtype(act)
+        return jnp.einsum("tk,nk->tn", act.astype(d), dequantize(w, dtype=d),
+                          preferred_element_type=jnp.float32,
+                          precision=jax.lax.Precision.HIGHEST if d == jnp.float32 else None)
+
+    h = matmul(x.astype(compute_dtype(x)), gate_up, quant["gate_up_act_quant"])
+    a = gated_activation(h, GateUp.of(cfg, GateUpLayout.CONCATENATED)).astype(compute_dtype(x))
+    return matmul(a, down, quant["down_act_quant"])
 
 
 # Shared-expert formats and token counts for which the decode kernels beat XLA's dense path
@@ -126,7 +152,7 @@ def shared_experts(params: MoEParams, x: jax.Array, kernels: KernelConfig | None
         ids = jnp.zeros((x.shape[0], 1), jnp.int32)
         y = ops.moe_decode(x, ids, gu.stacked(), dn.stacked(),
                            epilogue=GateUp.of(cfg, GateUpLayout.CONCATENATED),
-                           kernels=kernels)[:, 0]
+                           kernels=kernels, **act_quants(cfg, gu.format))[:, 0]
     else:
         y = dense_mlp(x, gu, dn, cfg)
     return _shared_gated(params, x, y)

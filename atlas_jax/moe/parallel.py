@@ -62,7 +62,7 @@ from atlas_jax._checks import check_in_range
 from atlas_jax._safetensors import DTYPES, CheckpointError
 from atlas_jax.config import KernelConfig, MoEConfig, MoEPath
 from atlas_jax.moe.dispatch import combine, permute, unpermute
-from atlas_jax.moe.experts import shared_experts
+from atlas_jax.moe.experts import act_quants, shared_experts
 from atlas_jax.moe.params import MoEParams
 from atlas_jax.moe.routing import (
     Routing,
@@ -420,11 +420,13 @@ def _local_experts(rows: jax.Array, fields: dict[str, Any], group_sizes: jax.Arr
                    cfg: MoEConfig, el: int, kernels: KernelConfig) -> jax.Array:
     """The two grouped matmuls of ``routed_experts_prefill`` over this device's experts."""
     gate_up, down = (_local_qtensor(fields[name], el) for name in ("gate_up", "down"))
+    quant = act_quants(cfg, gate_up.format)
     a = ops.grouped_matmul(rows, gate_up, group_sizes, bias=fields.get("gate_up_bias"),
-                           epilogue=GateUp.of(cfg), kernels=kernels)  # [M, I] f32
+                           epilogue=GateUp.of(cfg), kernels=kernels,
+                           act_quant=quant["gate_up_act_quant"])  # [M, I] f32
     a = a.astype(compute_dtype(rows))
     return ops.grouped_matmul(a, down, group_sizes, bias=fields.get("down_bias"),
-                              kernels=kernels)  # [M, H] f32
+                              kernels=kernels, act_quant=quant["down_act_quant"])  # [M, H] f32
 
 
 def _local_qtensor(q: QTensor, el: int) -> QTensor:

@@ -9,6 +9,12 @@ QTensor ``[G, N, K]`` of any format. With an ``epilogue`` (a gate_up matmul) the
 ``KernelConfig.gmm_kernel`` picks the Pallas kernel: the Triton-lowering one (every format, every
 NVIDIA generation) or the Mosaic GPU one (BF16 on Hopper: TMA + wgmma, warp-specialized);
 "auto" takes Mosaic GPU on sm_90 for what it supports and Triton otherwise (and in interpret mode).
+
+``act_quant=ActQuant.FP8`` (W8A8, FP8_BLOCK weights): the activations are quantized per row per
+128 of K to e4m3 with an f32 scale (``amax / 448``, as transformers' FP8 linear layers do on a
+GPU) before the matmul; the reference multiplies the dequantized values in float32, the Triton
+kernel takes the e4m3 rows and both scales per K step. ``ActQuant.NVFP4`` (FP4 activations)
+needs FP4 tensor cores and is not implemented (NotImplementedError).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from atlas_jax.config import Activation, Backend, Format, GmmKernel, KernelConfig
+from atlas_jax.config import Activation, ActQuant, Backend, Format, GmmKernel, KernelConfig
 from atlas_jax.ops._dispatch import interpret_mode, resolve_backend
 from atlas_jax.ops.activation import GateUp, gated_activation
 from atlas_jax.quant import QTensor, dequantize
@@ -27,6 +33,37 @@ from atlas_jax.quant import QTensor, dequantize
 def compute_dtype(x: jax.Array) -> jnp.dtype:
     """Operand dtype of the reference matmuls: f32 stays f32, anything else runs in bf16."""
     return jnp.dtype(jnp.float32) if x.dtype == jnp.float32 else jnp.dtype(jnp.bfloat16)
+
+
+def quantized_activations(x: jax.Array, act_quant: ActQuant) -> jax.Array:
+    """The activations a reference matmul multiplies: ``x`` unchanged (``ActQuant.NONE``), or
+    its W8A8 values (e4m3 per row per 128 of K, times the scales) in float32."""
+    if act_quant is ActQuant.NONE:
+        return x
+    if act_quant is ActQuant.FP8:
+        from pallas_kernels.grouped_matmul.reference import (
+            dequantize_activations_fp8,
+            quantize_activations_fp8,
+        )
+
+        # the barrier keeps x's own rounding (a bf16 h) under XLA's GPU excess-precision rule
+        # (pallas_kernels.grouped_matmul.reference.rounded); the kernels quantize stored x
+        return dequantize_activations_fp8(*quantize_activations_fp8(
+            jax.lax.optimization_barrier(x)))
+    raise NotImplementedError(f"act_quant={act_quant.value}: FP4 activations need FP4 tensor "
+                              "cores (sm_100+); no implementation here")
+
+
+def check_act_quant(op: str, w: QTensor, act_quant) -> ActQuant:
+    """``act_quant`` as an ActQuant; raises where the weights' format cannot take it."""
+    act_quant = ActQuant(act_quant)
+    if act_quant is ActQuant.FP8 and w.format is not Format.FP8_BLOCK:
+        raise ValueError(f"{op}: act_quant=fp8 (W8A8) needs FP8_BLOCK weights, got "
+                         f"{w.format.value}")
+    if act_quant is ActQuant.NVFP4:
+        raise NotImplementedError(f"{op}: act_quant=nvfp4 (W4A4) needs FP4 tensor cores "
+                                  "(sm_100+); no implementation here")
+    return act_quant
 
 
 def group_ids(group_sizes: jax.Array, num_rows: int) -> jax.Array:
@@ -41,11 +78,14 @@ def grouped_matmul_reference(
     group_sizes: jax.Array,  # [G] int32
     bias: jax.Array | None = None,  # [G, N]
     epilogue: GateUp | None = None,
+    act_quant: ActQuant = ActQuant.NONE,
 ) -> jax.Array:  # [M, N] (or [M, N/2] with an epilogue) float32
+    x = quantized_activations(x, act_quant)  # W8A8: float32 (the exact products)
     dtype = compute_dtype(x)
     wt = jnp.swapaxes(dequantize(w, dtype=dtype), -1, -2)  # [G, K, N]
     out = jax.lax.ragged_dot(
-        x.astype(dtype), wt, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
+        x.astype(dtype), wt, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32,
+        precision=jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None)
     gid = group_ids(group_sizes, x.shape[0])  # [M]
     if bias is not None:
         out = out + jnp.take(bias.astype(jnp.float32), gid, axis=0, mode="fill", fill_value=0)
@@ -67,12 +107,14 @@ def grouped_matmul_pallas(
     bias: jax.Array | None = None,  # [G, N]
     epilogue: GateUp | None = None,
     kernels: KernelConfig | None = None,
+    act_quant: ActQuant = ActQuant.NONE,
 ) -> jax.Array:
     fused = _kernel_fuses(epilogue)
-    if _use_mosaic(x, w, bias, epilogue if fused else None, kernels):
+    if act_quant is ActQuant.NONE and _use_mosaic(x, w, bias, epilogue if fused else None,
+                                                   kernels):
         out = _mosaic(x, w, group_sizes, bias, epilogue if fused else None)
     else:
-        out = _triton(x, w, group_sizes, bias, epilogue if fused else None, kernels)
+        out = _triton(x, w, group_sizes, bias, epilogue if fused else None, kernels, act_quant)
     return out if fused or epilogue is None else gated_activation(out, epilogue)
 
 
@@ -127,12 +169,12 @@ def _mosaic(x, w: QTensor, group_sizes, bias, epilogue: GateUp | None) -> jax.Ar
 
 
 def _triton(x, w: QTensor, group_sizes, bias, epilogue: GateUp | None,
-            kernels: KernelConfig | None) -> jax.Array:
+            kernels: KernelConfig | None, act_quant: ActQuant = ActQuant.NONE) -> jax.Array:
     from pallas_kernels.grouped_matmul import grouped_matmul as kernel
 
     kw = dict(fmt=w.format.value, scale=w.scale, global_scale=w.global_scale, bias=bias,
-              out_dtype=jnp.float32, tile=_tile(x, w, epilogue, kernels),
-              interpret=interpret_mode())
+              out_dtype=jnp.float32, tile=_tile(x, w, epilogue, kernels, act_quant),
+              interpret=interpret_mode(), act_quant=act_quant.value)
     if w.format is Format.FP8_BLOCK:
         kw["block_size"] = w.block
     if epilogue is not None:
@@ -142,7 +184,8 @@ def _triton(x, w: QTensor, group_sizes, bias, epilogue: GateUp | None,
     return kernel(x, w.data, group_sizes.astype(jnp.int32), **kw)
 
 
-def _tile(x, w: QTensor, epilogue: GateUp | None, kernels: KernelConfig | None):
+def _tile(x, w: QTensor, epilogue: GateUp | None, kernels: KernelConfig | None,
+          act_quant: ActQuant = ActQuant.NONE):
     """The heuristic's tile with KernelConfig's overrides applied; None (the kernel's own
     heuristic) when nothing is overridden."""
     k = kernels or KernelConfig()
@@ -158,7 +201,7 @@ def _tile(x, w: QTensor, epilogue: GateUp | None, kernels: KernelConfig | None):
     base = choose_tile_config(
         x.shape[0], n // 2 if epilogue is not None else n, kdim, g, w.format.value,
         fused_gate_up=epilogue is not None, fp8_block=w.block, sm_count=device_sm_count(),
-        device_kind=device_kind())
+        device_kind=device_kind(), act_quant=act_quant.value)
     return dataclasses.replace(base, **overrides)
 
 
@@ -191,11 +234,13 @@ def grouped_matmul(
     bias: jax.Array | None = None,  # [G, N]
     epilogue: GateUp | None = None,  # gate_up: return act(gate) * up, [M, N/2]
     kernels: KernelConfig | None = None,
+    act_quant: ActQuant | str = ActQuant.NONE,  # fp8: W8A8 (FP8_BLOCK weights)
 ) -> jax.Array:  # [M, N] or [M, N/2] float32
     """Grouped matmul over rows sorted by group, float32 out (padding rows are zero)."""
     _check(x, w, group_sizes, bias, epilogue)
+    act_quant = check_act_quant("grouped_matmul", w, act_quant)
     match resolve_backend("grouped_matmul", (kernels or KernelConfig()).grouped_matmul):
         case Backend.XLA:
-            return grouped_matmul_reference(x, w, group_sizes, bias, epilogue)
+            return grouped_matmul_reference(x, w, group_sizes, bias, epilogue, act_quant)
         case Backend.PALLAS:
-            return grouped_matmul_pallas(x, w, group_sizes, bias, epilogue, kernels)
+            return grouped_matmul_pallas(x, w, group_sizes, bias, epilogue, kernels, act_quant)

@@ -16,6 +16,10 @@ them, with no host sync:
 (``moe.experts.shared_folds``), read by the same two launches. It needs the main stack's
 format, per-expert shapes and scale layout and no biases (``extra_unsupported_reason``).
 Otherwise the shared expert runs on its own (``moe.experts.shared_experts``).
+
+``gate_up_act_quant`` / ``down_act_quant`` = ``ActQuant.FP8`` (FP8_BLOCK weights): W8A8, that
+matmul's activations (x, h) quantized per row per 128 of K as in ``ops.grouped_matmul``; the
+XLA path multiplies their dequantized values in float32, the kernels take e4m3 x e4m3 dots.
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from atlas_jax.config import Backend, Format, KernelConfig
+from atlas_jax.config import ActQuant, Backend, Format, KernelConfig
 from atlas_jax.ops._dispatch import interpret_mode, resolve_backend
 from atlas_jax.ops.activation import GateUp, gated_activation
-from atlas_jax.ops.grouped_matmul import compute_dtype
+from atlas_jax.ops.grouped_matmul import check_act_quant, compute_dtype, quantized_activations
 from atlas_jax.quant import QTensor, dequantize
 
 
@@ -40,6 +44,8 @@ def moe_decode_reference(
     gate_up_bias: jax.Array | None = None,  # [E, 2I]
     down_bias: jax.Array | None = None,  # [E, H]
     epilogue: GateUp | None = None,
+    gate_up_act_quant: ActQuant = ActQuant.NONE,
+    down_act_quant: ActQuant = ActQuant.NONE,
 ) -> jax.Array:  # [T, k, H] float32
     """Gather the distinct selected experts (at most min(E, T*k)), run every token through each,
     pick each pair's row."""
@@ -52,14 +58,19 @@ def moe_decode_reference(
     slot = jnp.searchsorted(uniq, ids)  # [T, k] position of each pair's expert in uniq
     safe = jnp.minimum(uniq, e - 1)  # padding entries read expert e-1; never selected
     dtype = compute_dtype(x)
-    xc = x.astype(dtype)
-    gu = dequantize(gate_up.take(safe), dtype=dtype)  # [U, 2I, H]
-    h = jnp.einsum("th,unh->utn", xc, gu, preferred_element_type=jnp.float32)  # [U, T, 2I]
+
+    def matmul(spec, act, w, act_quant):  # W8A8: the dequantized products in float32
+        act = quantized_activations(act.reshape(-1, act.shape[-1]), act_quant).reshape(act.shape)
+        d = compute_dtype(act)
+        return jnp.einsum(spec, act.astype(d), dequantize(w.take(safe), dtype=d),
+                          preferred_element_type=jnp.float32,
+                          precision=jax.lax.Precision.HIGHEST if d == jnp.float32 else None)
+
+    h = matmul("th,unh->utn", x.astype(dtype), gate_up, gate_up_act_quant)  # [U, T, 2I]
     if gate_up_bias is not None:
         h = h + gate_up_bias[safe][:, None, :].astype(jnp.float32)
     a = gated_activation(h, epilogue).astype(dtype)  # [U, T, I]
-    dn = dequantize(down.take(safe), dtype=dtype)  # [U, H, I]
-    y = jnp.einsum("uti,uhi->uth", a, dn, preferred_element_type=jnp.float32)  # [U, T, H]
+    y = matmul("uti,uhi->uth", a, down, down_act_quant)  # [U, T, H]
     if down_bias is not None:
         y = y + down_bias[safe][:, None, :].astype(jnp.float32)
     pairs = y[jnp.minimum(slot, u - 1), jnp.arange(t)[:, None]]  # [T, k, H]
@@ -106,6 +117,8 @@ def moe_decode_pallas(
     gate_up_bias: jax.Array | None = None,
     down_bias: jax.Array | None = None,
     epilogue: GateUp | None = None,
+    gate_up_act_quant: ActQuant = ActQuant.NONE,
+    down_act_quant: ActQuant = ActQuant.NONE,
     extra: tuple[QTensor, QTensor] | None = None,
 ) -> jax.Array:  # [T, k, H] float32
     from pallas_kernels.moe_decode import ExtraExperts, moe_decode_pairs
@@ -116,7 +129,8 @@ def moe_decode_pallas(
     epilogue = epilogue or GateUp()
     kw = dict(fmt=gate_up.format.value, activation=epilogue.activation.value,
               gate_up_layout=epilogue.layout.value, limit=epilogue.limit,
-              interpret=interpret_mode())
+              interpret=interpret_mode(), gate_up_act_quant=gate_up_act_quant.value,
+              down_act_quant=down_act_quant.value)
     if gate_up.format is Format.FP8_BLOCK:
         kw["block_size"] = tuple(gate_up.block)
     if extra is not None:
@@ -173,6 +187,8 @@ def moe_decode(
     epilogue: GateUp | None = None,  # activation and gate/up layout (default SwiGLU, concat)
     kernels: KernelConfig | None = None,  # .grouped_matmul picks the implementation
     extra: tuple[QTensor, QTensor] | None = None,  # [E2, 2I, H], [E2, H, I]: ids E..E+E2-1
+    gate_up_act_quant: ActQuant | str = ActQuant.NONE,  # fp8: W8A8 gate_up (FP8_BLOCK)
+    down_act_quant: ActQuant | str = ActQuant.NONE,  # fp8: W8A8 down (FP8_BLOCK)
 ) -> jax.Array:  # [T, k, H] float32, zero-expert pairs 0
     """Each (token, slot) pair's routed-expert output, reading only the selected experts.
 
@@ -181,6 +197,8 @@ def moe_decode(
     once in a log line).
     """
     _check(x, expert_ids, gate_up, down, gate_up_bias, down_bias)
+    quant = dict(gate_up_act_quant=check_act_quant("moe_decode", gate_up, gate_up_act_quant),
+                 down_act_quant=check_act_quant("moe_decode", down, down_act_quant))
     if extra is not None:
         reason = extra_unsupported_reason(gate_up, down, extra, gate_up_bias, down_bias)
         if reason is not None:
@@ -188,11 +206,11 @@ def moe_decode(
     args = (x, expert_ids, gate_up, down, gate_up_bias, down_bias, epilogue)
     match decode_backend(gate_up, down, kernels):
         case Backend.XLA:
-            pairs = moe_decode_reference(*args)
+            pairs = moe_decode_reference(*args, **quant)
             if extra is None:
                 return pairs
             e, e2 = gate_up.shape[0], extra[0].shape[0]
             ids = jnp.where(expert_ids >= e, expert_ids - e, e2)  # main-stack ids: zero
-            return pairs + moe_decode_reference(x, ids, *extra, epilogue=epilogue)
+            return pairs + moe_decode_reference(x, ids, *extra, epilogue=epilogue, **quant)
         case Backend.PALLAS:
-            return moe_decode_pallas(*args, extra=extra)
+            return moe_decode_pallas(*args, extra=extra, **quant)

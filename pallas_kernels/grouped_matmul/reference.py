@@ -83,6 +83,16 @@ def dequantize_weights(
             return vals * jnp.repeat(e8m0_to_f32(scale), MXFP4_GROUP, axis=-1)
 
 
+def rounded(x: jax.Array, dtype) -> jax.Array:
+    """``x`` rounded to ``dtype`` and back to float32, the rounding kept under XLA's GPU
+    compiler: with ``xla_allow_excess_precision`` (on by default) it removes float convert
+    chains inside one program (``SimplifyFPConversions``: f32 -> bf16 -> f32 and f32 -> e4m3 ->
+    f32 become nothing), so a reference that rounds an intermediate the way a kernel stores it
+    would silently skip the rounding on the GPU. An optimization barrier between the two
+    converts keeps both."""
+    return jax.lax.optimization_barrier(x.astype(dtype)).astype(jnp.float32)
+
+
 def quantize_activations_fp8(
     x: jax.Array, *, group_size: int = FP8_ACT_GROUP
 ) -> tuple[jax.Array, jax.Array]:
@@ -106,6 +116,7 @@ def dequantize_activations_fp8(
     q: jax.Array, scale: jax.Array, *, group_size: int = FP8_ACT_GROUP
 ) -> jax.Array:
     k = q.shape[1]
+    q = jax.lax.optimization_barrier(q)  # keeps a quantize -> dequantize chain (``rounded``)
     return q.astype(jnp.float32) * jnp.repeat(scale.astype(jnp.float32), group_size, axis=1)[:, :k]
 
 

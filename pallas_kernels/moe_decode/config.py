@@ -12,8 +12,10 @@ import dataclasses
 import math
 
 from pallas_kernels.grouped_matmul.config import (
+    FP8_ACT_GROUP,
     MXFP4_GROUP,
     NVFP4_GROUP,
+    ActivationQuant,
     WeightFormat,
     _shared_memory_budget,
 )
@@ -91,9 +93,12 @@ class DecodeTile:
                 raise ValueError(f"DecodeTile.{name}: expected a bool, got "
                                  f"{getattr(self, name)!r}")
 
-    def check_format(self, fmt: WeightFormat, *, fp8_block: tuple[int, int] = (128, 128)):
-        """Raises ValueError when this tile cannot run weights of format ``fmt``."""
+    def check_format(self, fmt: WeightFormat, *, fp8_block: tuple[int, int] = (128, 128),
+                     act_quant: ActivationQuant = ActivationQuant.NONE):
+        """Raises ValueError when this tile cannot run weights of format ``fmt`` (with
+        activations quantized by ``act_quant``)."""
         fmt = WeightFormat.coerce(fmt)
+        act_quant = ActivationQuant.coerce(act_quant)
         bk = self.block_k
         match fmt:
             case WeightFormat.FP8_BLOCK:
@@ -114,6 +119,19 @@ class DecodeTile:
             raise ValueError(
                 f"DecodeTile.f16_dot: only for {', '.join(f.value for f in F16_DOT_FORMATS)} "
                 f"weights, got {fmt.value}")
+        if act_quant is ActivationQuant.FP8:
+            if fmt is not WeightFormat.FP8_BLOCK:
+                raise ValueError(f"W8A8 (act_quant fp8) needs FP8_BLOCK weights, got {fmt.value}")
+            if FP8_ACT_GROUP % bk or bk < 2 * MIN_DOT:
+                raise ValueError(
+                    f"DecodeTile.block_k: W8A8 needs block_k in [{2 * MIN_DOT}, "
+                    f"{FP8_ACT_GROUP}] dividing {FP8_ACT_GROUP} (fp8 dots take K >= 32), got "
+                    f"{bk}")
+            if self.f16_dot:
+                raise ValueError("DecodeTile.f16_dot: W8A8 dots take e4m3 operands, not f16")
+        elif act_quant is not ActivationQuant.NONE:
+            raise ValueError(f"act_quant: the decode kernels take none or fp8, got "
+                             f"{act_quant.value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +147,11 @@ class MoEDecodeConfig:
                 raise ValueError(f"MoEDecodeConfig.{name}: expected a DecodeTile, got "
                                  f"{getattr(self, name)!r}")
 
-    def check_format(self, fmt: WeightFormat, *, fp8_block: tuple[int, int] = (128, 128)):
-        self.gate_up.check_format(fmt, fp8_block=fp8_block)
-        self.down.check_format(fmt, fp8_block=fp8_block)
+    def check_format(self, fmt: WeightFormat, *, fp8_block: tuple[int, int] = (128, 128),
+                     gate_up_act_quant: ActivationQuant = ActivationQuant.NONE,
+                     down_act_quant: ActivationQuant = ActivationQuant.NONE):
+        self.gate_up.check_format(fmt, fp8_block=fp8_block, act_quant=gate_up_act_quant)
+        self.down.check_format(fmt, fp8_block=fp8_block, act_quant=down_act_quant)
 
 
 def expected_distinct_experts(num_tokens: int, top_k: int, num_experts: int) -> int:
@@ -161,6 +181,7 @@ def choose_tile(
     sm_count: int | None = None,
     device_kind: str | None = None,
     few_tokens: bool = False,
+    act_quant: ActivationQuant = ActivationQuant.NONE,
 ) -> DecodeTile:
     """Pure heuristic: the tile of one decode kernel with ``n`` output columns (per half),
     contraction ``k``, and ``num_programs_per_column`` expected busy expert slots.
@@ -172,7 +193,8 @@ def choose_tile(
     ``swap_ab``; the SASS of sm_90 builds showed 2-3x more instructions per weight byte at
     32 rows than at 64). ``block_k`` gives 128-256 bytes of contiguous weight per row and K
     step; ``num_stages`` keeps 2-4 steps in flight; 4 warps (8 doubled the per-byte
-    instruction count in the same SASS comparison).
+    instruction count in the same SASS comparison). ``act_quant`` fp8 (W8A8): e4m3 activations,
+    e4m3 x e4m3 dots (no f16 route), ``block_k`` dividing the activation group (128).
 
     ``few_tokens`` (1..3 tokens): ``block_n`` stops at 64 for BF16 too, unsplit. Measured on
     the H200 (Qwen3-30B-A3B, 1 token, kernels alone, device time in a jitted scan): 39.8 us
@@ -188,6 +210,10 @@ def choose_tile(
             block_k = math.gcd(128, fp8_block[1])
         case WeightFormat.NVFP4 | WeightFormat.MXFP4:
             block_k = 128
+    w8a8 = ActivationQuant.coerce(act_quant) is ActivationQuant.FP8
+    if w8a8:
+        block_k = max(2 * MIN_DOT, math.gcd(block_k, FP8_ACT_GROUP))
+        x_itemsize = 1
     block_k = max(MIN_DOT, min(block_k, _next_pow2(k)))
     if fmt in FP4_FORMATS:
         block_k = max(block_k, 2 * MIN_DOT, NVFP4_GROUP if fmt is WeightFormat.NVFP4 else
@@ -205,10 +231,11 @@ def choose_tile(
     stage_bytes = halves * block_n * block_k * _WEIGHT_BYTES[fmt] + MIN_DOT * block_k * x_itemsize
     budget = _shared_memory_budget(device_kind)
     num_stages = int(max(2, min(4, budget // max(stage_bytes, 1))))
-    f16_dot = fmt in F16_DOT_FORMATS and sm_count is not None  # GPU: the cheap conversions
+    # GPU: the cheap conversions (W8A8 needs none)
+    f16_dot = fmt in F16_DOT_FORMATS and sm_count is not None and not w8a8
     tile = DecodeTile(block_n=block_n, block_k=block_k, num_warps=num_warps,
                       num_stages=num_stages, f16_dot=f16_dot)
-    tile.check_format(fmt, fp8_block=fp8_block)
+    tile.check_format(fmt, fp8_block=fp8_block, act_quant=act_quant)
     return tile
 
 
@@ -224,20 +251,25 @@ def choose_decode_config(
     x_itemsize: int = 2,
     sm_count: int | None = None,
     device_kind: str | None = None,
+    gate_up_act_quant: ActivationQuant = ActivationQuant.NONE,
+    down_act_quant: ActivationQuant = ActivationQuant.NONE,
 ) -> MoEDecodeConfig:
     """Pure heuristic: both tiles of a decode step (``sm_count`` / ``device_kind`` from the
-    device, None off GPU: then no occupancy rule and bf16 dots)."""
+    device, None off GPU: then no occupancy rule and bf16 dots; ``*_act_quant`` fp8: that
+    kernel's W8A8 tile)."""
     fmt = WeightFormat.coerce(fmt)
     busy = expected_distinct_experts(num_tokens, top_k, num_experts)
     common = dict(fp8_block=fp8_block, x_itemsize=x_itemsize, sm_count=sm_count,
                   device_kind=device_kind, num_programs_per_column=busy,
                   few_tokens=num_tokens <= FEW_TOKENS)
-    gate_up = choose_tile(intermediate_size, hidden_size, fmt, halves=2, **common)
+    gate_up = choose_tile(intermediate_size, hidden_size, fmt, halves=2,
+                          act_quant=gate_up_act_quant, **common)
     programs = busy * -(-intermediate_size // gate_up.block_n)
     if (sm_count is not None and num_tokens == 1 and fmt in FP4_FORMATS and programs < sm_count
             and -(-hidden_size // gate_up.block_k) >= 2 * ONE_TOKEN_FP4_GATE_UP_SPLIT):
         gate_up = dataclasses.replace(gate_up, split_k=ONE_TOKEN_FP4_GATE_UP_SPLIT)
     return MoEDecodeConfig(
         gate_up=gate_up,
-        down=choose_tile(hidden_size, intermediate_size, fmt, halves=1, **common),
+        down=choose_tile(hidden_size, intermediate_size, fmt, halves=1,
+                         act_quant=down_act_quant, **common),
     )

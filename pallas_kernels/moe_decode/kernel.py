@@ -85,14 +85,21 @@ from pallas_kernels._offsets import (
     pair_view_if_overflowing,
 )
 from pallas_kernels.grouped_matmul.config import (
+    FP8_ACT_GROUP,
+    FP8_E4M3_MAX,
     MXFP4_GROUP,
     NVFP4_GROUP,
     Activation,
+    ActivationQuant,
     GateUpLayout,
     WeightFormat,
 )
 from pallas_kernels.grouped_matmul.kernel import _gated, _repeat_cols
-from pallas_kernels.grouped_matmul.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT
+from pallas_kernels.grouped_matmul.reference import (
+    GPT_OSS_ALPHA,
+    GPT_OSS_LIMIT,
+    quantize_activations_fp8,
+)
 from pallas_kernels.moe_decode.config import (
     FP4_FORMATS,
     DecodeTile,
@@ -271,6 +278,17 @@ def _sorted_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
 # ---------------------------------------------------------------------------------------------
 
 
+def quantize_rows_fp8(t):
+    """``[rows, 128]`` f32 -> (e4m3 ``[rows, 128]``, f32 scales ``[rows]``): one W8A8
+    quantization group per row, by the formula of ``quantize_activations_fp8`` (the kernels'
+    f32 division may differ from XLA's reciprocal in the last bit, which moves an e4m3
+    rounding only for quotients that close to a rounding midpoint)."""
+    amax = jnp.max(jnp.abs(t), axis=1)
+    scale = jnp.where(amax > 0, amax / FP8_E4M3_MAX, 1.0)
+    q = jnp.clip(t / scale[:, None], -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return q.astype(jnp.float8_e4m3fn), scale
+
+
 def _epilogue(gate, up, activation: Activation, limit: float | None, alpha: float):
     """``act(gate) * up`` in f32 (SiLU with a limit clamps first: DeepSeek-V4)."""
     if activation is Activation.SILU and limit is not None:
@@ -310,6 +328,10 @@ class _Static:
     a_pairs: bool = False  # FP4: a_ref is the uint32 view [rows, K/2] of 16-bit activations
     #   (k = 2j low half, 2j + 1 high half): the even / odd K columns of a step in one
     #   contiguous load, instead of two stride-2 gathers that Triton reads element by element
+    a8: bool = False  # W8A8: e4m3 x e4m3 dots (FP8_BLOCK weights, no conversion); a_ref is
+    #   e4m3 with amax_ref its f32 scales [rows, cdiv(K, 128)], or (quantize_a) 16/32-bit
+    quantize_a: bool = False  # W8A8 with block_k = 128: each K step's activation tile is one
+    #   quantization group per row, quantized in registers (quantize_rows_fp8)
 
 
 def expert_matmul_kernel(
@@ -349,7 +371,8 @@ def _expert_body(
     row_map_ref,  # [P] int32 token of each sorted row (gate_up) | None (down)
     a_ref,  # [T, K] x (gate_up) | [P, K] h (down)
     amax_ref,  # f16 dots: [T, 1] x's row amax | [P, C] h's, per gate_up column tile (max over
-    #   C; C = 1 after a split gate_up) | None (bf16/f32 dots)
+    #   C; C = 1 after a split gate_up) | W8A8: the rows' scales [rows, cdiv(K, 128)] f32 |
+    #   None (bf16/f32 dots)
     w_ref,  # [E, halves, N, Kw] | [E, N, 2, Kw] (interleaved); Kw = K, or K/2 u8 (FP4)
     scale_ref,  # FP8: [E, cdiv(halves*N, b0), cdiv(K, b1)] f32 | FP4: as w_ref, K/16 or K/32
     global_ref,  # [E, R] f32 (NVFP4) | None
@@ -420,6 +443,7 @@ def _expert_body(
                 w = load_w_cols(h, kb * bk, bk, st.k)  # [bn, bk]
                 if st.w_pairs:  # bytes -> e4m3
                     w = jax.lax.bitcast_convert_type(w, jnp.float8_e4m3fn)
+                # W8A8: compute_dtype is e4m3 (no conversion)
                 dot_dtype = jnp.float16 if st.f16_dot else st.compute_dtype
                 if st.fmt is WeightFormat.BF16:
                     return (w.astype(dot_dtype),), None
@@ -501,17 +525,38 @@ def _expert_body(
     def per_col(v):  # [bn] factor of the output columns, broadcast against a partial
         return v[:, None] if st.swap_ab else v[None, :]
 
+    def per_row(v):  # [bm] factor of the rows, broadcast against a partial
+        return v[None, :] if st.swap_ab else v[:, None]
+
+    def a8_tiles(src, row_mask, kb):
+        """W8A8: ((e4m3 tile [bm, bk],), its rows' f32 scales [bm]) of K step ``kb``."""
+        if st.quantize_a:
+            (tile,) = a_tiles(src, row_mask, kb)
+            q, scale = quantize_rows_fp8(tile.astype(jnp.float32))
+            return (q,), scale
+        return load_a(src, row_mask, kb, None), a8_scales(src, row_mask, kb)
+
+    def a8_scales(src, row_mask, kb):
+        """W8A8: [bm] f32 scales of the rows' activation group holding K step ``kb``."""
+        group = jnp.full((bm,), div(kb * bk, FP8_ACT_GROUP), jnp.int32)
+        return plgpu.load(amax_ref.at[src, group], mask=row_mask, other=0.0)
+
     def compute(src, row_mask):
         """[bm, bn] f32 output rows of this chunk (epilogue applied)."""
         up, down = row_scales(src, row_mask) if st.f16_dot else (None, None)
 
         def body(kb, accs):
-            a_tiles = load_a(src, row_mask, kb, up)
+            if st.a8:
+                a_tiles, a_s = a8_tiles(src, row_mask, kb)
+            else:
+                a_tiles, a_s = load_a(src, row_mask, kb, up), None
             new = []
             for h, acc in enumerate(accs):
                 w_tiles, w_s = load_w(h, kb)
                 dots = [dot(w, a) for w, a in zip(w_tiles, a_tiles, strict=True)]
-                if w_s is not None:
+                if a_s is not None:  # W8A8: both block scales multiply the step's partial
+                    new.append(acc + dots[0] * per_col(w_s) * per_row(a_s))
+                elif w_s is not None:
                     new.append(acc + functools.reduce(jnp.add, dots) * per_col(w_s))
                 else:  # acc + dot, one at a time: each add folds into the MMA's accumulator
                     new.append(functools.reduce(jnp.add, dots, acc))
@@ -606,6 +651,7 @@ def _expert_matmul_pallas(
                                              num_stages=tile.num_stages),
         interpret=interpret,
         name=(f"moe_decode_{name}_{st.fmt.value}{'_f16' if st.f16_dot else ''}"
+              f"{'_w8a8' if st.a8 else ''}{'q' if st.quantize_a else ''}"
               f"_bm{tile.block_m}_bn{tile.block_n}_bk{tile.block_k}_s{st.split_k}"
               f"{'_x' if extra else ''}"),
     )(work, row_map, a, a_amax, w, scale, global_scale, bias, *(extra or ()))
@@ -693,7 +739,7 @@ def _split_halves(a, halves: int, layout: GateUpLayout):
 
 def _launch(a, a_amax, plan, wts: _Weights, extra: _Weights | None, *, fmt, halves, layout,
             activation, limit, alpha, block_size, tile: DecodeTile, num_rows, out_dtype,
-            write_amax, interpret, name):
+            write_amax, w8a8, interpret, name):
     """One launch: ``[[split_k, num_rows, planes, N]]`` (planes 2: split gate_up partials),
     and with ``write_amax`` the h rows' amax per column tile ``[num_rows, N tiles]``. Expert
     ids from ``wts``' E on name ``extra``'s experts (same format and per-expert shapes)."""
@@ -718,10 +764,14 @@ def _launch(a, a_amax, plan, wts: _Weights, extra: _Weights | None, *, fmt, halv
         gather_rows=name == "gate_up", split_k=tile.split_k, n=n, k=k, block_m=tile.block_m,
         block_n=tile.block_n, block_k=tile.block_k, swap_ab=tile.swap_ab,
         f16_dot=tile.f16_dot, fp8_block=tuple(block_size), global_rows=wts.global_rows,
-        compute_dtype=jnp.dtype(a.dtype),
+        compute_dtype=jnp.dtype(jnp.float8_e4m3fn if w8a8 else a.dtype),
         inline_asm=not interpret, w_pairs=w_pairs, write_amax=write_amax,
         main_experts=None if extra is None else wts.w.shape[0],
-        a_pairs=fmt in FP4_FORMATS and jnp.dtype(a.dtype).itemsize == 2)
+        a_pairs=fmt in FP4_FORMATS and jnp.dtype(a.dtype).itemsize == 2,
+        a8=w8a8, quantize_a=w8a8 and a.dtype != jnp.float8_e4m3fn)
+    if st.quantize_a and tile.block_k != FP8_ACT_GROUP:
+        raise ValueError(f"{name}: W8A8 quantized in the kernel needs block_k = "
+                         f"{FP8_ACT_GROUP}, got {tile.block_k}")
     if st.a_pairs:
         a = jax.lax.bitcast_convert_type(a.reshape(a.shape[0], k // 2, 2), jnp.uint32)
     for prefix, ops in (("", main), ("extra_", extra_ops or ())):
@@ -762,7 +812,7 @@ def pairs_of(y_sorted: jax.Array, plan: DecodePlan) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 
 _STATIC = ("fmt", "activation", "gate_up_layout", "limit", "alpha", "block_size", "h_dtype",
-           "config", "interpret")
+           "config", "interpret", "gate_up_act_quant", "down_act_quant")
 
 
 class ExtraExperts(NamedTuple):
@@ -811,9 +861,21 @@ def _check_extra(extra: ExtraExperts, gu: _Weights, dn: _Weights, *, fmt, hidden
 
 def _experts(x, expert_ids, gate_up, down, *, fmt, gate_up_scale, gate_up_global_scale,
              gate_up_bias, down_scale, down_global_scale, down_bias, activation,
-             gate_up_layout, limit, alpha, block_size, h_dtype, config, interpret, extra):
+             gate_up_layout, limit, alpha, block_size, h_dtype, config, interpret, extra,
+             gate_up_act_quant, down_act_quant):
     """Validates, plans and runs both launches: (y_sorted [S, P, H] f32 partials, plan)."""
     fmt = WeightFormat.coerce(fmt)
+    gate_up_act_quant = ActivationQuant.coerce(gate_up_act_quant)
+    down_act_quant = ActivationQuant.coerce(down_act_quant)
+    for name, aq in (("gate_up_act_quant", gate_up_act_quant),
+                     ("down_act_quant", down_act_quant)):
+        if aq is ActivationQuant.FP8 and fmt is not WeightFormat.FP8_BLOCK:
+            raise NotImplementedError(f"{name}: W8A8 needs FP8_BLOCK weights, got {fmt.value}")
+        if aq not in (ActivationQuant.NONE, ActivationQuant.FP8):
+            raise NotImplementedError(f"{name}: {aq.value} activations are not supported by the "
+                                      "decode kernels (none, fp8)")
+    gu_a8 = gate_up_act_quant is ActivationQuant.FP8
+    dn_a8 = down_act_quant is ActivationQuant.FP8
     activation = Activation.coerce(activation)
     layout = GateUpLayout.coerce(gate_up_layout)
     if (not isinstance(block_size, tuple) or len(block_size) != 2
@@ -857,10 +919,12 @@ def _experts(x, expert_ids, gate_up, down, *, fmt, gate_up_scale, gate_up_global
     if config is None:
         config = choose_decode_config(
             t, expert_ids.shape[1], e_all, hidden, inter, fmt, fp8_block=block_size,
-            x_itemsize=x.dtype.itemsize, sm_count=device_sm_count(), device_kind=device_kind())
+            x_itemsize=x.dtype.itemsize, sm_count=device_sm_count(), device_kind=device_kind(),
+            gate_up_act_quant=gate_up_act_quant, down_act_quant=down_act_quant)
     if not isinstance(config, MoEDecodeConfig):
         raise ValueError(f"config: expected a MoEDecodeConfig, got {config!r}")
-    config.check_format(fmt, fp8_block=block_size)
+    config.check_format(fmt, fp8_block=block_size, gate_up_act_quant=gate_up_act_quant,
+                        down_act_quant=down_act_quant)
 
     plan = make_plan(expert_ids, e_all, pallas=True, interpret=interpret)
     p = plan.token_of_row.shape[0]
@@ -869,24 +933,35 @@ def _experts(x, expert_ids, gate_up, down, *, fmt, gate_up_scale, gate_up_global
     split = config.gate_up.split_k > 1  # gate_up partials, summed and activated by XLA
     # f16 dots scale each activation row by a power of two from its amax: x's here (one small
     # XLA reduction), h's from gate_up's epilogue (per column tile), or from the XLA fusion
-    # that sums and activates a split gate_up's partials.
-    x_amax = (jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True)  # [T, 1]
-              if config.gate_up.f16_dot else None)
-    h, *h_amax = _launch(
-        x, x_amax, plan, gu, xgu, halves=2, tile=config.gate_up, name="gate_up",
+    # that sums and activates a split gate_up's partials. W8A8 quantizes x / h per row per 128
+    # of K: in the kernel when a K step is one group (block_k = 128), else before the launch
+    # in XLA (the grouped matmul's quantize_activations_fp8: two small fusions).
+    def xla_quantized(tile):
+        return tile.block_k != FP8_ACT_GROUP
+
+    x_in, x_aux = x, None
+    if gu_a8 and xla_quantized(config.gate_up):
+        x_in, x_aux = quantize_activations_fp8(x)  # [T, H] e4m3, [T, cdiv(H, 128)] f32
+    elif config.gate_up.f16_dot:
+        x_aux = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True)  # [T, 1]
+    h, *h_aux = _launch(
+        x_in, x_aux, plan, gu, xgu, halves=2, tile=config.gate_up, name="gate_up",
         out_dtype=jnp.float32 if split else h_dtype, activation=None if split else activation,
-        write_amax=config.down.f16_dot and not split,
+        write_amax=config.down.f16_dot and not split, w8a8=gu_a8,
         **common)  # [S1, P, 2, I] | [1, P, 1, I]
     if split:  # one small fusion; rows of idle slots hold garbage that no program reads
         parts = jnp.sum(h, axis=0)  # [P, 2, I]
         h = _epilogue(parts[:, 0], parts[:, 1], activation, limit, alpha).astype(h_dtype)
         if config.down.f16_dot:
-            h_amax = [jnp.max(jnp.abs(h.astype(jnp.float32)), axis=1, keepdims=True)]  # [P, 1]
+            h_aux = [jnp.max(jnp.abs(h.astype(jnp.float32)), axis=1, keepdims=True)]  # [P, 1]
     else:
         h = h.reshape(p, inter)
-    (y,) = _launch(h, h_amax[0] if h_amax else None, plan, dn, xdn, halves=1, tile=config.down,
+    if dn_a8 and xla_quantized(config.down):  # rows of idle slots: garbage, never read
+        h, h_scale = quantize_activations_fp8(h)
+        h_aux = [h_scale]
+    (y,) = _launch(h, h_aux[0] if h_aux else None, plan, dn, xdn, halves=1, tile=config.down,
                    out_dtype=jnp.float32, name="down", activation=None, write_amax=False,
-                   **common)
+                   w8a8=dn_a8, **common)
     return y.reshape(config.down.split_k, p, hidden), plan  # [S2, P, H]
 
 
@@ -913,13 +988,19 @@ def moe_decode_pairs(
     config: MoEDecodeConfig | None = None,
     interpret: bool = False,
     extra: ExtraExperts | None = None,  # a second stack: expert ids E .. E + E2 - 1
+    gate_up_act_quant: ActivationQuant | str = ActivationQuant.NONE,  # fp8: W8A8 gate_up
+    down_act_quant: ActivationQuant | str = ActivationQuant.NONE,  # fp8: W8A8 down
 ) -> jax.Array:
     """Routed expert outputs of each (token, slot) pair, ``[T, k, H]`` f32 (zero experts: 0).
 
     Expert-major Pallas kernels (module docstring): each selected expert's weights are read once
     per step. ``config=None`` picks the tiles with ``choose_decode_config`` from the shapes and
-    the default device. Raises ValueError/TypeError for malformed inputs and
-    NotImplementedError for unsupported dtypes.
+    the default device. ``gate_up_act_quant`` / ``down_act_quant`` "fp8" (FP8_BLOCK weights
+    only): W8A8, that kernel's activations quantized per row per 128 of K
+    (``quantize_activations_fp8``: x before gate_up, h before down, one small XLA fusion each)
+    and e4m3 x e4m3 dots, both block scales on each K step's f32 partial. Raises
+    ValueError/TypeError for malformed inputs and NotImplementedError for unsupported dtypes
+    or combinations.
     """
     if x.shape[0] == 0:
         return jnp.zeros((0, expert_ids.shape[1], x.shape[1]), jnp.float32)
@@ -929,7 +1010,7 @@ def moe_decode_pairs(
         down_scale=down_scale, down_global_scale=down_global_scale, down_bias=down_bias,
         activation=activation, gate_up_layout=gate_up_layout, limit=limit, alpha=alpha,
         block_size=block_size, h_dtype=h_dtype, config=config, interpret=interpret,
-        extra=extra)
+        extra=extra, gate_up_act_quant=gate_up_act_quant, down_act_quant=down_act_quant)
     return pairs_of(y, plan)
 
 
@@ -958,6 +1039,8 @@ def moe_decode(
     config: MoEDecodeConfig | None = None,
     interpret: bool = False,
     extra: ExtraExperts | None = None,
+    gate_up_act_quant: ActivationQuant | str = ActivationQuant.NONE,
+    down_act_quant: ActivationQuant | str = ActivationQuant.NONE,
 ) -> jax.Array:
     """The routed experts' combined output ``sum_j weights[t, j] * expert_j(x[t])``, ``[T, H]``
     f32; zero experts contribute ``weights[t, j] * x[t]``. Keywords as ``moe_decode_pairs``."""
@@ -970,5 +1053,5 @@ def moe_decode(
         down_scale=down_scale, down_global_scale=down_global_scale, down_bias=down_bias,
         activation=activation, gate_up_layout=gate_up_layout, limit=limit, alpha=alpha,
         block_size=block_size, h_dtype=h_dtype, config=config, interpret=interpret,
-        extra=extra)
+        extra=extra, gate_up_act_quant=gate_up_act_quant, down_act_quant=down_act_quant)
     return combine(y, plan, x, weights)
