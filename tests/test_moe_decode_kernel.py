@@ -17,7 +17,6 @@ import math
 
 import chex
 import jax
-import jax.extend
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -218,18 +217,13 @@ def assert_pairs_close(out, ref, ids):
         np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
 
 
-def _converts_outside_pallas(jaxpr) -> list:
-    """Target dtypes of the converts a jaxpr runs outside pallas_call bodies (nested jits
-    walked)."""
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            continue
-        if eqn.primitive.name == "convert_element_type":
-            out.append(eqn.params["new_dtype"])
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            out += _converts_outside_pallas(sub)
-    return out
+ON_GPU = jax.devices()[0].platform == "gpu"
+# Interpret mode runs a kernel body through the host backend's compiler: on a GPU that is XLA's,
+# whose excess-precision rule drops convert chains (f32 -> e4m3 -> dot operand) inside one
+# program (pallas_kernels.grouped_matmul.reference.rounded), so the e4m3 rounding of W8A8
+# activations would not happen; the compiled kernels are tested there instead
+# (test_compiled_on_gpu_against_reference's fp8-w8a8 cases).
+W8A8_INTERPRET_ON_GPU = "W8A8 in interpret mode is checked on CPU (XLA GPU drops e4m3 roundings)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,6 +253,8 @@ class TestKernelInterpret:
     @pytest.mark.parametrize("t,k,fmt,variant", CASES, ids=CASE_IDS)
     def test_against_reference(self, t, k, fmt, variant):
         variant = dict(variant)
+        if ON_GPU and any(q in variant for q in ("gate_up_act_quant", "down_act_quant")):
+            pytest.skip(W8A8_INTERPRET_ON_GPU)
         config = F16_CONFIG if variant.pop("f16", False) else None
         x_dtype = variant.pop("x_dtype", jnp.bfloat16)
         arrays = expert_arrays(fmt, bias=variant.pop("bias", False))
@@ -283,34 +279,6 @@ class TestKernelInterpret:
         out = moe_decode_pairs(x, ids, config=F16_CONFIG, interpret=True, **arrays)
         ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **arrays)
         assert_each_row_close(out, ref, ids, E)
-
-    @pytest.mark.parametrize("t,variant", [
-        (3, dict(gate_up_act_quant="fp8", down_act_quant="fp8")),
-        (33, dict(GPT_OSS, bias=True, gate_up_act_quant="fp8")),
-        (2, dict(down_act_quant="fp8", split=True)),  # h from the split's XLA fusion
-    ], ids=["T3-both", "T33-gate_up-gpt_oss-bias", "T2-down-split"])
-    def test_w8a8_quantized_in_the_kernel(self, t, variant):
-        """W8A8 with 128-wide K steps: each step's activation tile is one quantization group
-        per row and is quantized in registers (no XLA pass before the launch; H = 160 and I
-        = 96 end in partial groups, as the reference pads them); equals the reference that
-        quantizes with quantize_activations_fp8."""
-        variant = dict(variant)
-        split = 2 if variant.pop("split", False) else 1
-        arrays = expert_arrays(FP8, bias=variant.pop("bias", False), fp8_block=(32, 128))
-        config = MoEDecodeConfig(DecodeTile(64, 128, split_k=split), DecodeTile(64, 128))
-        def xla_e4m3_values(config):  # quantizations to e4m3 outside the kernels
-            jaxpr = jax.make_jaxpr(functools.partial(
-                moe_decode_pairs, config=config, interpret=True, **arrays, **variant))(
-                    make_x(t), routing("random", t, 2))
-            return _converts_outside_pallas(jaxpr.jaxpr).count(jnp.dtype(jnp.float8_e4m3fn))
-
-        assert xla_e4m3_values(config) == 0
-        bk64 = MoEDecodeConfig(DecodeTile(64, 64, split_k=split), DecodeTile(64, 64))
-        # 64-wide steps: XLA quantizes each W8A8 launch's activations first
-        assert xla_e4m3_values(bk64) == sum(q in variant for q in ("gate_up_act_quant",
-                                                                   "down_act_quant"))
-        self.check(t, 2, ("random", "one_expert", "zero_experts"), config=config, **arrays,
-                   **variant)
 
     # ---- a second expert stack read by the same launches (the shared expert folded in) ----
 
@@ -552,6 +520,12 @@ def test_config_heuristic():
                                 gate_up_act_quant="fp8", down_act_quant="fp8")
     for tile in (w8a8.gate_up, w8a8.down):
         assert not tile.f16_dot and 128 % tile.block_k == 0 and tile.block_k >= 32
+    assert (w8a8.gate_up.split_k, w8a8.down.split_k) == (1, 1)
+    one = choose_decode_config(1, 8, 128, 2048, 768, "fp8_block", sm_count=132,
+                               gate_up_act_quant="fp8", down_act_quant="fp8")
+    assert (one.gate_up.split_k, one.down.split_k) == (2, 1)  # 96 gate_up programs: split
+    assert choose_decode_config(1, 8, 128, 2048, 768, "fp8_block",  # W8A16: not split
+                                sm_count=132).gate_up.split_k == 1
     assert choose_decode_config(8, 8, 128, 2048, 768, "fp8_block", sm_count=132,
                                 down_act_quant="fp8").gate_up.f16_dot
     with pytest.raises(ValueError, match="W8A8 .* needs FP8_BLOCK"):
@@ -849,9 +823,6 @@ def test_deepseek_v3_fp8_stacks_take_the_pair_view():
 # (f16 dots for the quantized formats, the PTX FP4 unpack), several column tiles and row chunks.
 # ---------------------------------------------------------------------------------------------
 
-ON_GPU = jax.devices()[0].platform == "gpu"
-
-
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Triton kernels")
 @pytest.mark.parametrize("t", [1, 8, 33])
 @pytest.mark.parametrize("fmt,variant", [(f, None) for f in WeightFormat] + [
@@ -864,8 +835,9 @@ def test_compiled_on_gpu_against_reference(fmt, variant, t):
     subnormals), under SiLU: the flushed blocks' error is absolute, a fraction of the row's
     pre-activation scale, and a clamp at 7 of pre-activations in the thousands (the 1e3 rows)
     leaves h of magnitude 7 carrying it (5.7% on such a row in interpret mode, against 1e-4
-    unclamped). ``w8a8``: e4m3 x e4m3 dots, x and h quantized in the kernels (128-wide K
-    steps, 128 x 128 weight blocks); ``w8a8-b64``: quantized by XLA first (64-wide steps)."""
+    unclamped). ``w8a8``: e4m3 x e4m3 dots on quantized x and h, 128 x 128 weight blocks
+    (128-wide K steps); ``w8a8-b64``: the tests' 32 x 64 blocks (64-wide steps, two per
+    activation group)."""
     e, h, inter, k = 16, 1024, 512, 4
     rng = np.random.default_rng(100 * t + list(WeightFormat).index(fmt))
     kw = expert_arrays(fmt, seed=1, dims=(e, h, inter),

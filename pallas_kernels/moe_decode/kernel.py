@@ -86,7 +86,6 @@ from pallas_kernels._offsets import (
 )
 from pallas_kernels.grouped_matmul.config import (
     FP8_ACT_GROUP,
-    FP8_E4M3_MAX,
     MXFP4_GROUP,
     NVFP4_GROUP,
     Activation,
@@ -278,17 +277,6 @@ def _sorted_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
 # ---------------------------------------------------------------------------------------------
 
 
-def quantize_rows_fp8(t):
-    """``[rows, 128]`` f32 -> (e4m3 ``[rows, 128]``, f32 scales ``[rows]``): one W8A8
-    quantization group per row, by the formula of ``quantize_activations_fp8`` (the kernels'
-    f32 division may differ from XLA's reciprocal in the last bit, which moves an e4m3
-    rounding only for quotients that close to a rounding midpoint)."""
-    amax = jnp.max(jnp.abs(t), axis=1)
-    scale = jnp.where(amax > 0, amax / FP8_E4M3_MAX, 1.0)
-    q = jnp.clip(t / scale[:, None], -FP8_E4M3_MAX, FP8_E4M3_MAX)
-    return q.astype(jnp.float8_e4m3fn), scale
-
-
 def _epilogue(gate, up, activation: Activation, limit: float | None, alpha: float):
     """``act(gate) * up`` in f32 (SiLU with a limit clamps first: DeepSeek-V4)."""
     if activation is Activation.SILU and limit is not None:
@@ -328,10 +316,8 @@ class _Static:
     a_pairs: bool = False  # FP4: a_ref is the uint32 view [rows, K/2] of 16-bit activations
     #   (k = 2j low half, 2j + 1 high half): the even / odd K columns of a step in one
     #   contiguous load, instead of two stride-2 gathers that Triton reads element by element
-    a8: bool = False  # W8A8: e4m3 x e4m3 dots (FP8_BLOCK weights, no conversion); a_ref is
-    #   e4m3 with amax_ref its f32 scales [rows, cdiv(K, 128)], or (quantize_a) 16/32-bit
-    quantize_a: bool = False  # W8A8 with block_k = 128: each K step's activation tile is one
-    #   quantization group per row, quantized in registers (quantize_rows_fp8)
+    a8: bool = False  # W8A8: a_ref is e4m3, amax_ref its f32 scales [rows, cdiv(K, 128)], and
+    #   the dots are e4m3 x e4m3 (FP8_BLOCK weights, no conversion)
 
 
 def expert_matmul_kernel(
@@ -528,14 +514,6 @@ def _expert_body(
     def per_row(v):  # [bm] factor of the rows, broadcast against a partial
         return v[None, :] if st.swap_ab else v[:, None]
 
-    def a8_tiles(src, row_mask, kb):
-        """W8A8: ((e4m3 tile [bm, bk],), its rows' f32 scales [bm]) of K step ``kb``."""
-        if st.quantize_a:
-            (tile,) = a_tiles(src, row_mask, kb)
-            q, scale = quantize_rows_fp8(tile.astype(jnp.float32))
-            return (q,), scale
-        return load_a(src, row_mask, kb, None), a8_scales(src, row_mask, kb)
-
     def a8_scales(src, row_mask, kb):
         """W8A8: [bm] f32 scales of the rows' activation group holding K step ``kb``."""
         group = jnp.full((bm,), div(kb * bk, FP8_ACT_GROUP), jnp.int32)
@@ -546,10 +524,8 @@ def _expert_body(
         up, down = row_scales(src, row_mask) if st.f16_dot else (None, None)
 
         def body(kb, accs):
-            if st.a8:
-                a_tiles, a_s = a8_tiles(src, row_mask, kb)
-            else:
-                a_tiles, a_s = load_a(src, row_mask, kb, up), None
+            a_tiles = load_a(src, row_mask, kb, up)
+            a_s = a8_scales(src, row_mask, kb) if st.a8 else None
             new = []
             for h, acc in enumerate(accs):
                 w_tiles, w_s = load_w(h, kb)
@@ -651,7 +627,7 @@ def _expert_matmul_pallas(
                                              num_stages=tile.num_stages),
         interpret=interpret,
         name=(f"moe_decode_{name}_{st.fmt.value}{'_f16' if st.f16_dot else ''}"
-              f"{'_w8a8' if st.a8 else ''}{'q' if st.quantize_a else ''}"
+              f"{'_w8a8' if st.a8 else ''}"
               f"_bm{tile.block_m}_bn{tile.block_n}_bk{tile.block_k}_s{st.split_k}"
               f"{'_x' if extra else ''}"),
     )(work, row_map, a, a_amax, w, scale, global_scale, bias, *(extra or ()))
@@ -768,10 +744,7 @@ def _launch(a, a_amax, plan, wts: _Weights, extra: _Weights | None, *, fmt, halv
         inline_asm=not interpret, w_pairs=w_pairs, write_amax=write_amax,
         main_experts=None if extra is None else wts.w.shape[0],
         a_pairs=fmt in FP4_FORMATS and jnp.dtype(a.dtype).itemsize == 2,
-        a8=w8a8, quantize_a=w8a8 and a.dtype != jnp.float8_e4m3fn)
-    if st.quantize_a and tile.block_k != FP8_ACT_GROUP:
-        raise ValueError(f"{name}: W8A8 quantized in the kernel needs block_k = "
-                         f"{FP8_ACT_GROUP}, got {tile.block_k}")
+        a8=w8a8)
     if st.a_pairs:
         a = jax.lax.bitcast_convert_type(a.reshape(a.shape[0], k // 2, 2), jnp.uint32)
     for prefix, ops in (("", main), ("extra_", extra_ops or ())):
@@ -934,13 +907,13 @@ def _experts(x, expert_ids, gate_up, down, *, fmt, gate_up_scale, gate_up_global
     # f16 dots scale each activation row by a power of two from its amax: x's here (one small
     # XLA reduction), h's from gate_up's epilogue (per column tile), or from the XLA fusion
     # that sums and activates a split gate_up's partials. W8A8 quantizes x / h per row per 128
-    # of K: in the kernel when a K step is one group (block_k = 128), else before the launch
-    # in XLA (the grouped matmul's quantize_activations_fp8: two small fusions).
-    def xla_quantized(tile):
-        return tile.block_k != FP8_ACT_GROUP
-
+    # of K before each launch (the grouped matmul's quantize_activations_fp8: two small XLA
+    # fusions each). Quantizing each K step's tile in the kernels instead (one group per row
+    # and 128-wide step) saved those launches but measured slower (H200, full steps: Qwen3
+    # 2 / 3 tokens 55.2 / 61.9 vs 44.4 / 54.9 us, gpt-oss-120b / DeepSeek-V3 1 token 68 / 182
+    # vs 59 / 150; Qwen3 1 token 39.9 vs 41.1): the quantization sat in every program's loop.
     x_in, x_aux = x, None
-    if gu_a8 and xla_quantized(config.gate_up):
+    if gu_a8:
         x_in, x_aux = quantize_activations_fp8(x)  # [T, H] e4m3, [T, cdiv(H, 128)] f32
     elif config.gate_up.f16_dot:
         x_aux = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True)  # [T, 1]
@@ -956,7 +929,7 @@ def _experts(x, expert_ids, gate_up, down, *, fmt, gate_up_scale, gate_up_global
             h_aux = [jnp.max(jnp.abs(h.astype(jnp.float32)), axis=1, keepdims=True)]  # [P, 1]
     else:
         h = h.reshape(p, inter)
-    if dn_a8 and xla_quantized(config.down):  # rows of idle slots: garbage, never read
+    if dn_a8:  # rows of idle slots hold garbage: quantized too, never read
         h, h_scale = quantize_activations_fp8(h)
         h_aux = [h_scale]
     (y,) = _launch(h, h_aux[0] if h_aux else None, plan, dn, xdn, halves=1, tile=config.down,
