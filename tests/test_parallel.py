@@ -97,6 +97,17 @@ def test_every_format_equals_single_device(fmt, d):
     ep_matches_single_device(p, tokens(16, seed=4), d)
 
 
+def test_w8a8_equals_single_device():
+    """MoEConfig's W8A8 activation quantization reaches the expert-parallel grouped matmuls:
+    the same result as one device, and not the weight-only one."""
+    quant = dict(gate_up_act_quant="fp8", down_act_quant="fp8")
+    p = make("deepseek_v3", fmt=Format.FP8_BLOCK, num_experts=16, seed=3, **quant)
+    y, _ = ep_matches_single_device(p, tokens(16, seed=4), 4)
+    w8a16 = single_device(make("deepseek_v3", fmt=Format.FP8_BLOCK, num_experts=16, seed=3),
+                          tokens(16, seed=4))
+    assert rel_err(y, w8a16) > 5e-3, rel_err(y, w8a16)
+
+
 # ---- skewed routing: one device gets most rows, others none -----------------------------------
 
 

@@ -47,8 +47,14 @@ row is scaled by a power of two into ``[2^10, 2^11)`` and the accumulator scaled
 bf16 activations pass exactly. The row's amax over K comes in with the activations: x's from a
 small XLA reduction before the launches, h's from the gate_up kernel, which also writes the
 amax of each h row over its column tile (``[P, I tiles]`` f32; the down kernel takes their
-max). A gate_up split over K (``DecodeTile.split_k``) writes f32 gate and up partials instead;
-one small XLA fusion sums and activates them into h, with its row amax.
+max). A gate_up split over K (``DecodeTile.split_k``) writes f32 gate and up partials
+instead; one small XLA fusion sums and activates them into h, with its row amax.
+
+W8A8 (``gate_up_act_quant`` / ``down_act_quant`` "fp8", FP8_BLOCK weights): x and h are
+quantized to e4m3 per row per 128 of K before their launch (``quantize_activations_fp8``, two
+small XLA fusions each) and the dots take the e4m3 weight and activation tiles as they are
+loaded: no conversion, so the weight tile reaches the MMA as bytes. Each K step's f32 partial
+is multiplied by the weight block scale (per column) and the activation scale (per row).
 
 An extra stack (``ExtraExperts``: a model's shared expert, same format and per-expert shapes)
 is read by the same two launches: the caller gives each token one more pair with expert id
