@@ -66,6 +66,24 @@ fig, ax = plt.subplots(1, 2, figsize=(8, 3))
 ax[0].bar(names, errs); ax[0].set_yscale("log"); ax[0].set_title("relative error")
 ax[1].bar(names, bpw); ax[1].set_title("bytes per weight")
 fig.savefig("/tmp/atlas_formats.png")"""),
+        ("md", "FP8 layers run weight-only by default (the dequantized weights times bf16 "
+               "activations, as transformers' `dequantize=True`). W8A8 quantizes the "
+               "activations too, to e4m3 per token per 128 of K (transformers' FP8 layers on "
+               "a GPU do this); on a GPU the decode kernels then multiply e4m3 by e4m3."),
+        ("code", """\
+import dataclasses
+import atlas_jax as aj
+
+cfg = aj.MoEConfig(hidden_size=256, intermediate_size=128, num_experts=8, top_k=2,
+                   expert_format="fp8_block")
+params = aj.moe.init_params(jax.random.key(1), cfg, dtype=jnp.bfloat16)
+x = jax.random.normal(jax.random.key(2), (4, 256), jnp.bfloat16)
+w8a16 = aj.moe_forward(params, x)
+w8a8_cfg = dataclasses.replace(cfg, gate_up_act_quant="fp8", down_act_quant="fp8")
+w8a8 = aj.moe_forward(dataclasses.replace(params, config=w8a8_cfg), x)
+diff = jnp.linalg.norm((w8a8 - w8a16).astype(jnp.float32)) / jnp.linalg.norm(
+    w8a16.astype(jnp.float32))
+print(f"W8A8 vs weight-only FP8: rel. difference {float(diff):.3f}")"""),
     ],
     "03_paged_decode.ipynb": [
         ("md", "# 03 - Paged decode\n\nA Qwen3-style attention layer over a paged KV cache: "
