@@ -679,7 +679,7 @@ def test_act_quant_errors():
     nv = dataclasses.replace(p4, config=dataclasses.replace(p4.config,
                                                             gate_up_act_quant="nvfp4"))
     for kernels in (XLA_DECODE, XLA_PREFILL):
-        with pytest.raises(NotImplementedError, match="nvfp4 .*FP4 tensor cores"):
+        with pytest.raises(NotImplementedError, match="nvfp4: FP4 activations .*FP4 tensor cores"):
             aj.moe_forward(nv, x, kernels=kernels)
 
 

@@ -16,7 +16,11 @@ from atlas_jax.moe.dispatch import combine, permute, unpermute
 from atlas_jax.moe.params import MoEParams
 from atlas_jax.moe.routing import Routing
 from atlas_jax.ops.activation import GateUp, gated_activation
-from atlas_jax.ops.grouped_matmul import compute_dtype, quantized_activations
+from atlas_jax.ops.grouped_matmul import (
+    FP4_ACTIVATIONS,
+    compute_dtype,
+    quantized_activations,
+)
 from atlas_jax.ops.moe_decode import extra_unsupported_reason
 from atlas_jax.quant import QTensor, dequantize
 
@@ -27,9 +31,7 @@ def act_quants(cfg: MoEConfig, fmt: Format) -> dict[str, ActQuant]:
     (W4A4) raise NotImplementedError: they need FP4 tensor cores, which no path here uses."""
     for name in ("gate_up_act_quant", "down_act_quant"):
         if getattr(cfg, name) is ActQuant.NVFP4:
-            raise NotImplementedError(
-                f"MoEConfig.{name}=nvfp4 (W4A4): FP4 activations need FP4 tensor cores "
-                "(sm_100+); atlas_jax implements W8A8 (fp8) and weight-only formats")
+            raise NotImplementedError(f"MoEConfig.{name}=nvfp4: {FP4_ACTIVATIONS}")
     fp8 = fmt is Format.FP8_BLOCK
     return dict(gate_up_act_quant=cfg.gate_up_act_quant if fp8 else ActQuant.NONE,
                 down_act_quant=cfg.down_act_quant if fp8 else ActQuant.NONE)

@@ -35,6 +35,10 @@ def compute_dtype(x: jax.Array) -> jnp.dtype:
     return jnp.dtype(jnp.float32) if x.dtype == jnp.float32 else jnp.dtype(jnp.bfloat16)
 
 
+FP4_ACTIVATIONS = ("FP4 activations (W4A4) need FP4 tensor cores (sm_100+); atlas_jax "
+                   "implements W8A8 (fp8) and the weight-only formats")
+
+
 def quantized_activations(x: jax.Array, act_quant: ActQuant) -> jax.Array:
     """The activations a reference matmul multiplies: ``x`` unchanged (``ActQuant.NONE``), or
     its W8A8 values (e4m3 per row per 128 of K, times the scales) in float32."""
@@ -50,8 +54,7 @@ def quantized_activations(x: jax.Array, act_quant: ActQuant) -> jax.Array:
         # (pallas_kernels.grouped_matmul.reference.rounded); the kernels quantize stored x
         return dequantize_activations_fp8(*quantize_activations_fp8(
             jax.lax.optimization_barrier(x)))
-    raise NotImplementedError(f"act_quant={act_quant.value}: FP4 activations need FP4 tensor "
-                              "cores (sm_100+); no implementation here")
+    raise NotImplementedError(f"act_quant={act_quant.value}: {FP4_ACTIVATIONS}")
 
 
 def check_act_quant(op: str, w: QTensor, act_quant) -> ActQuant:
@@ -61,8 +64,7 @@ def check_act_quant(op: str, w: QTensor, act_quant) -> ActQuant:
         raise ValueError(f"{op}: act_quant=fp8 (W8A8) needs FP8_BLOCK weights, got "
                          f"{w.format.value}")
     if act_quant is ActQuant.NVFP4:
-        raise NotImplementedError(f"{op}: act_quant=nvfp4 (W4A4) needs FP4 tensor cores "
-                                  "(sm_100+); no implementation here")
+        raise NotImplementedError(f"{op}: act_quant=nvfp4: {FP4_ACTIVATIONS}")
     return act_quant
 
 
