@@ -98,9 +98,10 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = args.prompt_ids or _default_prompts(checkpoint)
     dtype = {"bf16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     model = aj.models.load(checkpoint, kv_dtype=KV_DTYPES[args.kv_dtype], kernels=args.kernels,
-                           dtype=dtype, progress=not args.quiet)
+                           dtype=dtype, progress=not args.quiet, act_quant=args.act_quant)
     print(f"model: {model}")
     print(f"  {checkpoint}; dtype {args.dtype}, kv {args.kv_dtype}, kernels {args.kernels}, "
+          f"act quant {args.act_quant}, "
           f"backend {jax.default_backend()}")
     runs = []
     for _ in range(args.repeat):
@@ -171,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "elsewhere (default auto)")
     g.add_argument("--dtype", choices=list(DTYPES), default="bf16",
                    help="activations and unquantized weights (default bf16)")
+    g.add_argument("--act-quant", choices=["none", "fp8"], default="none",
+                   help="fp8: run FP8-block experts W8A8 (e4m3 activations per token per "
+                        "128, as transformers' FP8 layers on a GPU); needs a checkpoint with "
+                        "FP8 experts, e.g. from `atlas-jax quantize --format fp8` (default "
+                        "none: weight-only)")
     g.add_argument("--repeat", type=_positive_int, default=2, metavar="R",
                    help="runs; the times printed are the last run's (default 2: the first "
                         "one compiles)")

@@ -313,6 +313,34 @@ def test_cli_generate_batch_fp8_experts_nvfp4_kv(capsys, fp8_checkpoint):
         cli.main(["generate", "--max-new-tokens", "0"])
 
 
+def test_w8a8_load_and_cli(capsys, fp8_checkpoint):
+    """``act_quant="fp8"`` (``--act-quant fp8``) runs the FP8 experts W8A8: every MoE layer's
+    config says so, the logits move by the activations' e4m3 rounding (not more), and a
+    checkpoint without FP8 experts is refused."""
+    ids = np.asarray([[5, 6, 7, 8]], np.int32)
+    plain = aj.models.load(fp8_checkpoint, dtype=jnp.float32, progress=False)
+    w8a8 = aj.models.load(fp8_checkpoint, dtype=jnp.float32, progress=False, act_quant="fp8")
+    moe = [layer.mlp.config for layer in w8a8.params.layers
+           if isinstance(layer.mlp, aj.moe.MoEParams)]
+    assert moe and all(c.gate_up_act_quant is c.down_act_quant is aj.config.ActQuant.FP8
+                       for c in moe)
+    later = aj.models.qwen3_moe.with_act_quant(plain.params, "fp8")  # on loaded params
+    assert [layer.mlp.config for layer in later.layers
+            if isinstance(layer.mlp, aj.moe.MoEParams)] == moe
+    a, b = np.asarray(plain.forward(ids)), np.asarray(w8a8.forward(ids))
+    diff = np.linalg.norm(a - b) / np.linalg.norm(a)
+    assert 1e-4 < diff < 0.1, diff
+    argv = ["generate", "--checkpoint", str(fp8_checkpoint), "--prompt-ids", "5,6,7",
+            "--max-new-tokens", "2", "--act-quant", "fp8", "--quiet", "--repeat", "1"]
+    assert cli.main(argv) == 0
+    assert "act quant fp8" in capsys.readouterr().out
+    assert cli.main(["generate", "--checkpoint", str(TINY), "--act-quant", "fp8", "--quiet",
+                     "--max-new-tokens", "1", "--repeat", "1"]) == 2
+    assert "gate_up_act_quant='fp8'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="act_quant: expected one of"):
+        aj.models.load(fp8_checkpoint, act_quant="int8", progress=False)
+
+
 @pytest.mark.parametrize("argv", [[], ["generate"], ["bench"], ["quantize"]])
 def test_cli_help(capsys, argv):
     with pytest.raises(SystemExit) as e:

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from atlas_jax._safetensors import CheckpointError, SafetensorsFile
 from atlas_jax.checkpoint import Checkpoint
-from atlas_jax.config import KernelConfig, KVDtype
+from atlas_jax.config import ActQuant, KernelConfig, KVDtype
 from atlas_jax.models import qwen3_moe
 from atlas_jax.models.qwen3_moe import Qwen3MoE
 
@@ -30,7 +30,8 @@ SUPPORTED_MODEL_TYPES = tuple(sorted(_LOADERS))
 
 def load(path: str | os.PathLike, *, kv_dtype: KVDtype | str = KVDtype.BF16,
          kernels: KernelConfig | str | None = None, dtype=jnp.bfloat16,
-         max_seq_len: int | None = None, progress: bool = True) -> Qwen3MoE:
+         max_seq_len: int | None = None, progress: bool = True,
+         act_quant: ActQuant | str = ActQuant.NONE) -> Qwen3MoE:
     """The model in HF directory ``path`` (config.json + *.safetensors, sharded or not; weights
     BF16/F32, FP8 block, NVFP4 or MXFP4, each linear as stored).
 
@@ -39,7 +40,10 @@ def load(path: str | os.PathLike, *, kv_dtype: KVDtype | str = KVDtype.BF16,
     every op. ``dtype``: activations and unquantized weights (float32 for reference numerics).
     ``max_seq_len``: a fixed KV capacity a sequence (prompt + new tokens), so that the decode
     step compiles once per batch-size bucket (None: capacity buckets, powers of two pages).
-    ``progress``: a progress bar over the bytes read.
+    ``progress``: a progress bar over the bytes read. ``act_quant``: "fp8" runs the MoE layers'
+    FP8-block experts W8A8 (``MoEConfig.gate_up_act_quant`` / ``down_act_quant``: e4m3
+    activations per token per 128, as transformers' FP8 layers on a GPU); the default runs
+    them weight-only, as stored (a ValueError for a checkpoint whose experts are not FP8).
 
     Raises ``NotImplementedError`` for a model_type other than the supported ones, and
     ``CheckpointError`` (a ValueError) for a directory that is not an HF safetensors model.
@@ -59,10 +63,15 @@ def load(path: str | os.PathLike, *, kv_dtype: KVDtype | str = KVDtype.BF16,
     except ValueError:
         raise ValueError(f"kv_dtype: expected one of {[k.value for k in KVDtype]}, "
                          f"got {kv_dtype!r}") from None
+    try:
+        act_quant = ActQuant(act_quant)
+    except ValueError:
+        raise ValueError(f"act_quant: expected one of {[a.value for a in ActQuant]}, "
+                         f"got {act_quant!r}") from None
     ck = _ProgressCheckpoint(path, progress)
     try:
         return _LOADERS[model_type](ck, kv_dtype=kv_dtype, kernels=_kernels(kernels),
-                                    dtype=dtype, max_seq_len=max_seq_len)
+                                    dtype=dtype, max_seq_len=max_seq_len, act_quant=act_quant)
     finally:
         ck.bar.close()
 

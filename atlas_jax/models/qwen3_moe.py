@@ -52,7 +52,7 @@ from atlas_jax.attention.layer import attention_step, linear
 from atlas_jax.attention.norm import add_rms_norm, rms_norm
 from atlas_jax.attention.params import AttentionParams
 from atlas_jax.checkpoint import Checkpoint, load_attention_layer, load_moe_layer
-from atlas_jax.config import Format, KernelConfig, KVDtype, MoEConfig, _text_config
+from atlas_jax.config import ActQuant, Format, KernelConfig, KVDtype, MoEConfig, _text_config
 from atlas_jax.moe import MoEParams, moe_forward
 from atlas_jax.ops.activation import GateUp, gated_activation
 from atlas_jax.ops.grouped_matmul import compute_dtype
@@ -70,6 +70,7 @@ __all__ = [
     "Qwen3MoEParams",
     "load",
     "load_params",
+    "with_act_quant",
 ]
 
 MODEL_TYPE = "qwen3_moe"
@@ -452,14 +453,18 @@ def _dense_mlp(ck: Checkpoint, prefix: str) -> DenseMLPParams:
                           down=lin("down_proj"))
 
 
-def load_params(ck: Checkpoint, *, dtype=jnp.bfloat16) -> Qwen3MoEParams:
+def load_params(ck: Checkpoint, *, dtype=jnp.bfloat16,
+                act_quant: ActQuant = ActQuant.NONE) -> Qwen3MoEParams:
     """Every tensor of a qwen3_moe checkpoint, in the formats it stores them; floating arrays
-    and BF16-format weights cast to ``dtype``."""
+    and BF16-format weights cast to ``dtype``. ``act_quant`` goes into every MoE layer's
+    config as it is read (``with_act_quant``), so a checkpoint that cannot take it fails at
+    its first MoE layer."""
     cfg = Qwen3MoEConfig.from_hf_config(ck.config)
     layers = []
     for i in range(cfg.num_layers):
         p = ck.layer(i)
         mlp = load_moe_layer(ck, i) if cfg.moe_layers[i] else _dense_mlp(ck, f"{p}mlp.")
+        mlp = _mlp_with_act_quant(mlp, ActQuant(act_quant))
         layers.append(LayerParams(
             input_norm=jnp.asarray(ck.get(f"{p}input_layernorm.weight")),
             attention=load_attention_layer(ck, i),
@@ -483,7 +488,24 @@ def load_params(ck: Checkpoint, *, dtype=jnp.bfloat16) -> Qwen3MoEParams:
     return _cast(params, jnp.dtype(dtype))
 
 
+def with_act_quant(params: Qwen3MoEParams, act_quant: ActQuant | str) -> Qwen3MoEParams:
+    """``params`` with every MoE layer's ``gate_up_act_quant`` and ``down_act_quant`` set to
+    ``act_quant`` (MoEConfig validates it against the layer's expert format: a ValueError
+    naming the field for anything but FP8_BLOCK experts under W8A8)."""
+    return dataclasses.replace(params, layers=tuple(
+        dataclasses.replace(layer, mlp=_mlp_with_act_quant(layer.mlp, ActQuant(act_quant)))
+        for layer in params.layers))
+
+
+def _mlp_with_act_quant(mlp, act_quant: ActQuant):
+    if not isinstance(mlp, MoEParams):
+        return mlp  # a dense layer: bf16 activations whatever the MoE layers do
+    return dataclasses.replace(mlp, config=mlp.config.replace(gate_up_act_quant=act_quant,
+                                                              down_act_quant=act_quant))
+
+
 def load(ck: Checkpoint, *, kv_dtype=KVDtype.BF16, kernels: KernelConfig | None = None,
-         dtype=jnp.bfloat16, max_seq_len: int | None = None) -> Qwen3MoE:
-    return Qwen3MoE(load_params(ck, dtype=dtype), kv_dtype=KVDtype(kv_dtype), kernels=kernels,
-                    name=ck.path.name, max_seq_len=max_seq_len)
+         dtype=jnp.bfloat16, max_seq_len: int | None = None,
+         act_quant: ActQuant = ActQuant.NONE) -> Qwen3MoE:
+    return Qwen3MoE(load_params(ck, dtype=dtype, act_quant=act_quant), kv_dtype=KVDtype(kv_dtype),
+                    kernels=kernels, name=ck.path.name, max_seq_len=max_seq_len)
