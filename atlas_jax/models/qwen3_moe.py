@@ -460,11 +460,12 @@ def load_params(ck: Checkpoint, *, dtype=jnp.bfloat16,
     config as it is read (``with_act_quant``), so a checkpoint that cannot take it fails at
     its first MoE layer."""
     cfg = Qwen3MoEConfig.from_hf_config(ck.config)
+    act_quant = ActQuant(act_quant)
     layers = []
     for i in range(cfg.num_layers):
         p = ck.layer(i)
         mlp = load_moe_layer(ck, i) if cfg.moe_layers[i] else _dense_mlp(ck, f"{p}mlp.")
-        mlp = _mlp_with_act_quant(mlp, ActQuant(act_quant))
+        mlp = _mlp_with_act_quant(mlp, act_quant)
         layers.append(LayerParams(
             input_norm=jnp.asarray(ck.get(f"{p}input_layernorm.weight")),
             attention=load_attention_layer(ck, i),
@@ -492,8 +493,9 @@ def with_act_quant(params: Qwen3MoEParams, act_quant: ActQuant | str) -> Qwen3Mo
     """``params`` with every MoE layer's ``gate_up_act_quant`` and ``down_act_quant`` set to
     ``act_quant`` (MoEConfig validates it against the layer's expert format: a ValueError
     naming the field for anything but FP8_BLOCK experts under W8A8)."""
+    act_quant = ActQuant(act_quant)
     return dataclasses.replace(params, layers=tuple(
-        dataclasses.replace(layer, mlp=_mlp_with_act_quant(layer.mlp, ActQuant(act_quant)))
+        dataclasses.replace(layer, mlp=_mlp_with_act_quant(layer.mlp, act_quant))
         for layer in params.layers))
 
 

@@ -16,13 +16,9 @@ from atlas_jax.moe.dispatch import combine, permute, unpermute
 from atlas_jax.moe.params import MoEParams
 from atlas_jax.moe.routing import Routing
 from atlas_jax.ops.activation import GateUp, gated_activation
-from atlas_jax.ops.grouped_matmul import (
-    FP4_ACTIVATIONS,
-    compute_dtype,
-    quantized_activations,
-)
+from atlas_jax.ops.grouped_matmul import FP4_ACTIVATIONS, compute_dtype, expert_einsum
 from atlas_jax.ops.moe_decode import extra_unsupported_reason
-from atlas_jax.quant import QTensor, dequantize
+from atlas_jax.quant import QTensor
 
 
 def act_quants(cfg: MoEConfig, fmt: Format) -> dict[str, ActQuant]:
@@ -86,17 +82,10 @@ def routed_experts_decode(params: MoEParams, x: jax.Array, r: Routing,
 def dense_mlp(x: jax.Array, gate_up: QTensor, down: QTensor, cfg: MoEConfig) -> jax.Array:
     """One (shared) expert, gate|up concatenated: [T, H] -> [T, H] f32."""
     quant = act_quants(cfg, gate_up.format)
-
-    def matmul(act, w, act_quant):  # W8A8: the dequantized products in float32
-        act = quantized_activations(act, act_quant)
-        d = compute_dtype(act)
-        return jnp.einsum("tk,nk->tn", act.astype(d), dequantize(w, dtype=d),
-                          preferred_element_type=jnp.float32,
-                          precision=jax.lax.Precision.HIGHEST if d == jnp.float32 else None)
-
-    h = matmul(x.astype(compute_dtype(x)), gate_up, quant["gate_up_act_quant"])
-    a = gated_activation(h, GateUp.of(cfg, GateUpLayout.CONCATENATED)).astype(compute_dtype(x))
-    return matmul(a, down, quant["down_act_quant"])
+    dtype = compute_dtype(x)
+    h = expert_einsum("th,nh->tn", x.astype(dtype), gate_up, quant["gate_up_act_quant"])
+    a = gated_activation(h, GateUp.of(cfg, GateUpLayout.CONCATENATED)).astype(dtype)
+    return expert_einsum("ti,hi->th", a, down, quant["down_act_quant"])
 
 
 # Shared-expert formats and token counts for which the decode kernels beat XLA's dense path

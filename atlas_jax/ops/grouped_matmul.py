@@ -40,8 +40,9 @@ FP4_ACTIVATIONS = ("FP4 activations (W4A4) need FP4 tensor cores (sm_100+); atla
 
 
 def quantized_activations(x: jax.Array, act_quant: ActQuant) -> jax.Array:
-    """The activations a reference matmul multiplies: ``x`` unchanged (``ActQuant.NONE``), or
-    its W8A8 values (e4m3 per row per 128 of K, times the scales) in float32."""
+    """The activations ``[..., K]`` a reference matmul multiplies: ``x`` unchanged
+    (``ActQuant.NONE``), or its W8A8 values (e4m3 per row per 128 of K, times the scales) in
+    float32."""
     if act_quant is ActQuant.NONE:
         return x
     if act_quant is ActQuant.FP8:
@@ -52,9 +53,24 @@ def quantized_activations(x: jax.Array, act_quant: ActQuant) -> jax.Array:
 
         # the barrier keeps x's own rounding (a bf16 h) under XLA's GPU excess-precision rule
         # (pallas_kernels.grouped_matmul.reference.rounded); the kernels quantize stored x
-        return dequantize_activations_fp8(*quantize_activations_fp8(
-            jax.lax.optimization_barrier(x)))
+        rows = jax.lax.optimization_barrier(x).reshape(-1, x.shape[-1])
+        return dequantize_activations_fp8(*quantize_activations_fp8(rows)).reshape(x.shape)
     raise NotImplementedError(f"act_quant={act_quant.value}: {FP4_ACTIVATIONS}")
+
+
+def _precision(dtype):
+    """The reference dots' precision: exact float32 products for float32 operands."""
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def expert_einsum(spec: str, act: jax.Array, w: QTensor,
+                  act_quant: ActQuant = ActQuant.NONE) -> jax.Array:
+    """One reference expert matmul ``einsum(spec, act, dequant(w))``, float32 out: operands in
+    ``compute_dtype``, W8A8 (``act_quant``) on the dequantized activations in float32."""
+    act = quantized_activations(act, act_quant)
+    dtype = compute_dtype(act)
+    return jnp.einsum(spec, act.astype(dtype), dequantize(w, dtype=dtype),
+                      preferred_element_type=jnp.float32, precision=_precision(dtype))
 
 
 def check_act_quant(op: str, w: QTensor, act_quant) -> ActQuant:
@@ -87,7 +103,7 @@ def grouped_matmul_reference(
     wt = jnp.swapaxes(dequantize(w, dtype=dtype), -1, -2)  # [G, K, N]
     out = jax.lax.ragged_dot(
         x.astype(dtype), wt, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32,
-        precision=jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None)
+        precision=_precision(dtype))
     gid = group_ids(group_sizes, x.shape[0])  # [M]
     if bias is not None:
         out = out + jnp.take(bias.astype(jnp.float32), gid, axis=0, mode="fill", fill_value=0)

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from atlas_jax.config import ActQuant, Backend, Format, KernelConfig
 from atlas_jax.ops._dispatch import interpret_mode, resolve_backend
 from atlas_jax.ops.activation import GateUp, gated_activation
-from atlas_jax.ops.grouped_matmul import check_act_quant, compute_dtype, quantized_activations
-from atlas_jax.quant import QTensor, dequantize
+from atlas_jax.ops.grouped_matmul import check_act_quant, compute_dtype, expert_einsum
+from atlas_jax.quant import QTensor
 
 
 def moe_decode_reference(
@@ -59,18 +59,12 @@ def moe_decode_reference(
     safe = jnp.minimum(uniq, e - 1)  # padding entries read expert e-1; never selected
     dtype = compute_dtype(x)
 
-    def matmul(spec, act, w, act_quant):  # W8A8: the dequantized products in float32
-        act = quantized_activations(act.reshape(-1, act.shape[-1]), act_quant).reshape(act.shape)
-        d = compute_dtype(act)
-        return jnp.einsum(spec, act.astype(d), dequantize(w.take(safe), dtype=d),
-                          preferred_element_type=jnp.float32,
-                          precision=jax.lax.Precision.HIGHEST if d == jnp.float32 else None)
-
-    h = matmul("th,unh->utn", x.astype(dtype), gate_up, gate_up_act_quant)  # [U, T, 2I]
+    h = expert_einsum("th,unh->utn", x.astype(dtype), gate_up.take(safe),
+                      gate_up_act_quant)  # [U, T, 2I]
     if gate_up_bias is not None:
         h = h + gate_up_bias[safe][:, None, :].astype(jnp.float32)
     a = gated_activation(h, epilogue).astype(dtype)  # [U, T, I]
-    y = matmul("uti,uhi->uth", a, down, down_act_quant)  # [U, T, H]
+    y = expert_einsum("uti,uhi->uth", a, down.take(safe), down_act_quant)  # [U, T, H]
     if down_bias is not None:
         y = y + down_bias[safe][:, None, :].astype(jnp.float32)
     pairs = y[jnp.minimum(slot, u - 1), jnp.arange(t)[:, None]]  # [T, k, H]

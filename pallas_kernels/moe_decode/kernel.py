@@ -322,8 +322,12 @@ class _Static:
     a_pairs: bool = False  # FP4: a_ref is the uint32 view [rows, K/2] of 16-bit activations
     #   (k = 2j low half, 2j + 1 high half): the even / odd K columns of a step in one
     #   contiguous load, instead of two stride-2 gathers that Triton reads element by element
-    a8: bool = False  # W8A8: a_ref is e4m3, amax_ref its f32 scales [rows, cdiv(K, 128)], and
-    #   the dots are e4m3 x e4m3 (FP8_BLOCK weights, no conversion)
+
+    @property
+    def a8(self) -> bool:
+        """W8A8: a_ref is e4m3, amax_ref its f32 scales [rows, cdiv(K, 128)], and the dots are
+        e4m3 x e4m3 (FP8_BLOCK weights, no conversion)."""
+        return self.compute_dtype == jnp.float8_e4m3fn
 
 
 def expert_matmul_kernel(
@@ -721,7 +725,7 @@ def _split_halves(a, halves: int, layout: GateUpLayout):
 
 def _launch(a, a_amax, plan, wts: _Weights, extra: _Weights | None, *, fmt, halves, layout,
             activation, limit, alpha, block_size, tile: DecodeTile, num_rows, out_dtype,
-            write_amax, w8a8, interpret, name):
+            write_amax, interpret, name):
     """One launch: ``[[split_k, num_rows, planes, N]]`` (planes 2: split gate_up partials),
     and with ``write_amax`` the h rows' amax per column tile ``[num_rows, N tiles]``. Expert
     ids from ``wts``' E on name ``extra``'s experts (same format and per-expert shapes)."""
@@ -746,11 +750,10 @@ def _launch(a, a_amax, plan, wts: _Weights, extra: _Weights | None, *, fmt, halv
         gather_rows=name == "gate_up", split_k=tile.split_k, n=n, k=k, block_m=tile.block_m,
         block_n=tile.block_n, block_k=tile.block_k, swap_ab=tile.swap_ab,
         f16_dot=tile.f16_dot, fp8_block=tuple(block_size), global_rows=wts.global_rows,
-        compute_dtype=jnp.dtype(jnp.float8_e4m3fn if w8a8 else a.dtype),
+        compute_dtype=jnp.dtype(a.dtype),  # e4m3 for W8A8
         inline_asm=not interpret, w_pairs=w_pairs, write_amax=write_amax,
         main_experts=None if extra is None else wts.w.shape[0],
-        a_pairs=fmt in FP4_FORMATS and jnp.dtype(a.dtype).itemsize == 2,
-        a8=w8a8)
+        a_pairs=fmt in FP4_FORMATS and jnp.dtype(a.dtype).itemsize == 2)
     if st.a_pairs:
         a = jax.lax.bitcast_convert_type(a.reshape(a.shape[0], k // 2, 2), jnp.uint32)
     for prefix, ops in (("", main), ("extra_", extra_ops or ())):
@@ -926,7 +929,7 @@ def _experts(x, expert_ids, gate_up, down, *, fmt, gate_up_scale, gate_up_global
     h, *h_aux = _launch(
         x_in, x_aux, plan, gu, xgu, halves=2, tile=config.gate_up, name="gate_up",
         out_dtype=jnp.float32 if split else h_dtype, activation=None if split else activation,
-        write_amax=config.down.f16_dot and not split, w8a8=gu_a8,
+        write_amax=config.down.f16_dot and not split,
         **common)  # [S1, P, 2, I] | [1, P, 1, I]
     if split:  # one small fusion; rows of idle slots hold garbage that no program reads
         parts = jnp.sum(h, axis=0)  # [P, 2, I]
@@ -940,7 +943,7 @@ def _experts(x, expert_ids, gate_up, down, *, fmt, gate_up_scale, gate_up_global
         h_aux = [h_scale]
     (y,) = _launch(h, h_aux[0] if h_aux else None, plan, dn, xdn, halves=1, tile=config.down,
                    out_dtype=jnp.float32, name="down", activation=None, write_amax=False,
-                   w8a8=dn_a8, **common)
+                   **common)
     return y.reshape(config.down.split_k, p, hidden), plan  # [S2, P, H]
 
 
