@@ -126,11 +126,13 @@ class Backend(enum.Enum):
 
 
 class GmmKernel(enum.Enum):
-    """Which Pallas grouped-matmul kernel ``grouped_matmul="pallas"`` runs."""
+    """Which family of Pallas kernels ``grouped_matmul="pallas"`` runs: for the prefill grouped
+    matmul (``KernelConfig.gmm_kernel``) and for the MoE decode kernels
+    (``KernelConfig.decode_kernel``)."""
 
-    AUTO = "auto"  # Mosaic GPU for what it supports on Hopper (sm_90), else Triton
+    AUTO = "auto"  # Mosaic GPU where it supports the call and measured faster on Hopper (sm_90)
     TRITON = "triton"  # Triton lowering: every format, every NVIDIA generation
-    MOSAIC = "mosaic"  # Mosaic GPU (TMA + wgmma, warp-specialized): BF16 only, sm_90
+    MOSAIC = "mosaic"  # Mosaic GPU (TMA + wgmma), sm_90: prefill BF16; decode BF16 and FP8
 
 
 class MoEPath(enum.Enum):
@@ -159,6 +161,7 @@ _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
     "paged_attention": Backend,
     "moe_path": MoEPath,
     "gmm_kernel": GmmKernel,
+    "decode_kernel": GmmKernel,
 }
 
 
@@ -570,6 +573,7 @@ class KernelConfig:
     gmm_gate_up_block_m: int | None = None  # rows per tile of the gate_up matmul (NVFP4 M128)
     gmm_num_stages: int | None = None  # software pipelining depth (engine W8A16_PIPELINED)
     gmm_kernel: GmmKernel = GmmKernel.AUTO  # Pallas grouped matmul: "auto" | "triton" | "mosaic"
+    decode_kernel: GmmKernel = GmmKernel.AUTO  # Pallas MoE decode: "auto" | "triton" | "mosaic"
     attn_gqa_pack: bool = True  # all query heads of one KV head in one program (decode: must)
     attn_num_splits: int | None = None  # decode split-K over pages (None: heuristic)
     attn_block_pages: int | None = None  # pages per decode / prefill program step (None: heur.)

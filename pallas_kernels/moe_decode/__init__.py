@@ -3,8 +3,8 @@ FP8-block / NVFP4 / MXFP4 weights.
 
 ``kernel.moe_decode`` (combined ``[T, H]``) and ``kernel.moe_decode_pairs`` (per pair
 ``[T, k, H]``) are the Pallas (Triton lowering) implementation (``ExtraExperts``: a second
-stack, the shared expert, read by the same launches); ``reference`` holds the
-plain-jnp ones. Weight formats, activations and gate/up layouts are the grouped matmul's enums.
+stack, the shared expert, read by the same launches); ``mosaic.moe_decode_mosaic_pairs`` the
+Mosaic GPU one for Hopper (BF16 and FP8 weights); ``reference`` holds the plain-jnp ones. Weight formats, activations and gate/up layouts are the grouped matmul's enums.
 """
 
 from pallas_kernels.moe_decode.config import (
@@ -23,6 +23,7 @@ from pallas_kernels.moe_decode.kernel import (
     moe_decode_pairs,
     pairs_of,
 )
+from pallas_kernels.moe_decode.mosaic import moe_decode_mosaic_pairs
 from pallas_kernels.moe_decode.reference import (
     combine_reference,
     moe_decode_pairs_reference,
@@ -41,6 +42,7 @@ __all__ = [
     "expected_distinct_experts",
     "make_plan",
     "moe_decode",
+    "moe_decode_mosaic_pairs",
     "moe_decode_pairs",
     "moe_decode_pairs_reference",
     "moe_decode_reference",

@@ -1,0 +1,180 @@
+"""MoE decode experts on the H200: the Mosaic GPU launches (weights as the wgmma's register A
+operand, ``pallas_kernels/moe_decode/mosaic.py``) against the Triton decode kernels
+(``kernel.moe_decode``), same routing, same layer.
+
+Each case times the routed experts of one decode step (plan, both launches, the glue and the
+k-way combine; no router, no shared expert) inside one jitted scan over 8 rotating input sets
+(``time_scan``), and the GPU busy time (CUPTI). MB counts the distinct selected experts'
+weights and scales; ``frac_hbm`` is MB / time over the HBM copy bandwidth measured in the same
+run. A correctness step first compares both paths with the plain-jnp reference on the GPU.
+
+    python benchmarks/moe_decode_mosaic.py [--shapes ...] [--formats fp8 bf16] [--tokens ...]
+                                           [--stages 2 3 4 6] [--profile] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import (  # noqa: E402
+    device_busy,
+    device_kernels,
+    hbm_copy_bandwidth,
+    table,
+    time_scan,
+)
+from benchmarks.moe_decode import SHAPES, make_layer, rel_err  # noqa: E402
+from pallas_kernels.moe_decode import moe_decode, moe_decode_pairs_reference  # noqa: E402
+from pallas_kernels.moe_decode.mosaic import (  # noqa: E402
+    choose_slot_tile,
+    moe_decode_mosaic_pairs,
+)
+
+ROTATE = 8
+
+
+def _layer_args(shape: str, fmt: str):
+    """(arrays, static keywords) of the routed experts of ``shape`` in ``fmt``."""
+    p = make_layer(shape, fmt)
+    cfg = p.config
+    arrays = dict(gate_up=p.gate_up.data, down=p.down.data, gate_up_bias=p.gate_up_bias,
+                  down_bias=p.down_bias)
+    static = dict(activation=cfg.activation.value, gate_up_layout=cfg.gate_up_layout.value)
+    if fmt == "fp8":
+        arrays.update(gate_up_scale=p.gate_up.scale, down_scale=p.down.scale)
+        static["block_size"] = tuple(p.gate_up.block)
+    if cfg.activation.value == "gpt_oss":
+        static["limit"] = cfg.swiglu_limit
+    nbytes = (p.gate_up.nbytes + p.down.nbytes) / cfg.num_experts
+    return arrays, static, nbytes, cfg
+
+
+def _inputs(cfg, tokens: int, n: int = ROTATE):
+    xs = []
+    for j in range(n):
+        kx, ki = jax.random.split(jax.random.key(100 + j))
+        x = jax.random.normal(kx, (tokens, cfg.hidden_size), jnp.bfloat16)
+        logits = jax.random.normal(ki, (tokens, cfg.num_experts))
+        w, ids = jax.lax.top_k(logits, cfg.top_k)
+        xs.append((x, ids.astype(jnp.int32), jax.nn.softmax(w, axis=-1)))
+    return xs
+
+
+def _steps(fmt: str, static: dict, tiles=None):
+    triton_fmt = "fp8_block" if fmt == "fp8" else "bf16"
+
+    def triton(arrays, inp):
+        x, ids, w = inp
+        return moe_decode(x, ids, w, fmt=triton_fmt, **arrays, **static)
+
+    def mosaic(arrays, inp):
+        x, ids, w = inp
+        pairs = moe_decode_mosaic_pairs(x, ids, **arrays, **static, tile=tiles)
+        return jnp.sum(w[..., None] * pairs, axis=1)
+
+    return triton, mosaic
+
+
+def check(shapes, formats) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        for fmt in formats:
+            arrays, static, _, cfg = _layer_args(shape, fmt)
+            triton, mosaic = _steps(fmt, static)
+            for tokens in (1, 8, 33, 64):
+                inp = _inputs(cfg, tokens, 1)[0]
+                x, ids, w = inp
+                ref = moe_decode_pairs_reference(
+                    x, ids, fmt="fp8_block" if fmt == "fp8" else "bf16", **arrays, **static)
+                ref = jnp.sum(w[..., None] * ref, axis=1)
+                out_m = jax.jit(mosaic)(arrays, inp)
+                out_t = jax.jit(triton)(arrays, inp)
+                rows.append(dict(shape=shape, format=fmt, tokens=tokens,
+                                 mosaic_vs_ref=rel_err(out_m, ref),
+                                 triton_vs_ref=rel_err(out_t, ref),
+                                 mosaic_nan=bool(np.isnan(np.asarray(out_m)).any())))
+                print(table(rows[-1:], list(rows[-1])), flush=True)
+    return rows
+
+
+def bench(shapes, formats, token_counts, stages, *, hbm: float, profile: bool = False
+          ) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        for fmt in formats:
+            arrays, static, per_expert, cfg = _layer_args(shape, fmt)
+            for tokens in token_counts:
+                xs = _inputs(cfg, tokens)
+                distinct = np.mean([len(np.unique(np.asarray(ids))) for _, ids, _ in xs])
+                nbytes = distinct * per_expert
+                row = dict(shape=shape, format=fmt, tokens=tokens, experts=distinct,
+                           MB=nbytes / 1e6)
+                variants = {"triton": _steps(fmt, static)[0]}
+                for s in stages:
+                    tiles = (choose_slot_tile(cfg.hidden_size, s),
+                             choose_slot_tile(cfg.intermediate_size, s))
+                    variants[f"mosaic_s{s}"] = _steps(fmt, static, tiles)[1]
+                for name, fn in variants.items():
+                    try:
+                        t = time_scan(fn, arrays, xs)
+                        row[f"{name}_us"] = t * 1e6
+                        row[f"{name}_frac"] = nbytes / t / hbm
+                        call = functools.partial(jax.jit(fn), arrays)
+                        busy = device_busy(call, xs[0])
+                        if profile:
+                            for kname, sec, count in device_kernels(call, xs[0]) or []:
+                                print(f"  {name} {tokens} tok: {sec * 1e6:7.2f} us x{count:g} "
+                                      f"{kname[:90]}")
+                        if busy:
+                            row[f"{name}_busy_us"] = busy[0] * 1e6
+                            row[f"{name}_busy_frac"] = nbytes / busy[0] / hbm
+                    except Exception as err:  # report in the table, do not hide
+                        row[f"{name}_us"] = f"{type(err).__name__}: {str(err)[:80]}"
+                rows.append(row)
+                print(table([row], list(row)), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b"], choices=list(SHAPES))
+    parser.add_argument("--formats", nargs="+", default=["fp8", "bf16"], choices=["fp8", "bf16"])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64])
+    parser.add_argument("--stages", nargs="+", type=int, default=[4])
+    parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="print each variant's kernels with their GPU time")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    print(f"{datetime.date.today()} {jax.devices()[0].device_kind}", flush=True)
+    out = []
+    if not args.skip_check:
+        out.append(table(check(args.shapes, args.formats),
+                         ["shape", "format", "tokens", "mosaic_vs_ref", "triton_vs_ref",
+                          "mosaic_nan"]))
+    hbm = hbm_copy_bandwidth()
+    print(f"HBM copy {hbm / 1e12:.2f} TB/s", flush=True)
+    rows = bench(args.shapes, args.formats, args.tokens, args.stages, hbm=hbm,
+                 profile=args.profile)
+    cols = sorted({c for r in rows for c in r}, key=lambda c: list(rows[0]).index(c)
+                  if c in rows[0] else 99)
+    out.append(f"HBM copy {hbm / 1e12:.2f} TB/s\n\n" + table(rows, cols))
+    text = "\n\n".join(out)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

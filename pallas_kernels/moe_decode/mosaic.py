@@ -1,0 +1,461 @@
+"""MoE decode expert matmul on the Mosaic GPU Pallas backend (Hopper, sm_90): the weight tile
+as the wgmma's A operand in registers.
+
+Why. The Triton decode kernels (``kernel.py``) dequantize the FP8 weight tile and hand it to
+``tl.dot``; Triton's layouts send the converted tile through shared memory a second time (or
+read it back byte by byte) before the MMA, and that, not HBM, limits FP8 W8A16 decode to
+40-60% of the HBM bandwidth on the H200. Here the e4m3 tile goes HBM -> SMEM by TMA (a
+``num_stages``-deep pipeline), SMEM -> registers in the 8-bit wgmma layout (32-bit loads),
+e4m3 -> f16 in registers (``cvt.rn.f16x2.e4m3x2``, one warp shuffle to the 16-bit wgmma
+layout), and into ``wgmma`` as the A operand: no second trip through SMEM.
+
+Work items. The decode plan (``kernel.make_plan``: pairs sorted by expert, one slot per
+distinct expert) is cut into chunks of at most 16 rows (``chunk_plan``): work item ``w`` owns
+sorted rows ``[start_w, start_w + count_w)`` of one expert ``e_w``; there are at most
+``U + P / 16`` of them (a static bound; unused items have 0 rows and their programs exit at
+once). The activations come in sorted-row order ``a [R, K]`` (``R >= window_rows(P)``): a
+program reads the 24-row window from ``start_w`` rounded down to a multiple of 8 (a TMA into
+tiled SMEM starts at an 8-aligned row) and its item's rows sit at offset ``start_w % 8`` in it.
+
+Kernel (``slot_matmul``): ``out[r, n] = sum_k w[e_w, n, k] * scale(e_w, n, k) * a[r, k]`` for
+every sorted row ``r`` of every item, in sorted-row order like the Triton kernels' output;
+other rows of ``out`` are not written. Grid ``(W, N / 64)``, one warpgroup a program: 64 weight
+rows are the wgmma's M, the 24-row window its N. The transposed accumulator ``[64, 24]`` is
+stored transposed into SMEM (``WGMMA_TRANSPOSED`` layout) and the item's rows leave by TMA, one
+store per set bit of its row count (a TMA box has a static shape; no other row is touched).
+
+Formats: FP8_BLOCK (e4m3 weights, f32 block scales ``[E, cdiv(N, b0), cdiv(K, b1)]``: each K
+step's partial is multiplied by its block scale; 64 divides ``b0`` and ``block_k`` divides
+``b1``) with f16 activations scaled per row by a power of two into f16 range (exact for bf16
+inputs, as the Triton kernels' ``f16_dot`` route), and BF16 weights with bf16 activations.
+
+The full decode step (``moe_decode_mosaic_pairs``): plan -> work items -> x rows gathered in
+sorted order and scaled (XLA) -> gate_up launch -> activation, h rows scaled (XLA) -> down
+launch -> each pair's row picked, as ``kernel.moe_decode_pairs``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout
+from pallas_kernels.grouped_matmul.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, rounded
+from pallas_kernels.moe_decode.kernel import (
+    DecodePlan,
+    ExtraExperts,
+    _epilogue,
+    make_plan,
+    pairs_of,
+)
+from pallas_kernels.paged_attention.decode import _pow2_row_scales
+
+ROWS = 16  # rows of one work item
+WINDOW = ROWS + 8  # activation rows a program reads (the wgmma's N): from an 8-aligned row
+_WEIGHT_DTYPES = (jnp.float8_e4m3fn, jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotTile:
+    """Tile of one program: ``block_n`` weight rows (64: one warpgroup's wgmma M), ``block_k``
+    of K per pipeline step, ``num_stages`` TMA stages in flight."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_stages: int = 4
+
+    def __post_init__(self):
+        if self.block_n != 64:
+            raise ValueError(f"SlotTile.block_n: expected 64 (one warpgroup), got {self.block_n!r}")
+        if self.block_k not in (64, 128):
+            raise ValueError(f"SlotTile.block_k: expected 64 or 128, got {self.block_k!r}")
+        if not isinstance(self.num_stages, int) or not 2 <= self.num_stages <= 8:
+            raise ValueError(
+                f"SlotTile.num_stages: expected an int in [2, 8], got {self.num_stages!r}")
+
+
+def choose_slot_tile(k: int, num_stages: int = 4) -> SlotTile:
+    """Pure heuristic: K steps of 128 where they divide K, else 64."""
+    return SlotTile(block_k=128 if k % 128 == 0 else 64, num_stages=num_stages)
+
+
+def window_rows(num_rows: int) -> int:
+    """Rows the activations need so that every item's window lies inside them: the last
+    window starts at most at ``num_rows`` rounded up to 8, minus 8."""
+    return -(-num_rows // 8) * 8 + WINDOW - 8
+
+
+def _transforms(row_bytes: int, itemsize: int):
+    swizzle = plgpu.find_swizzle(row_bytes * 8)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _kernel(
+    work_gmem,  # [3, W] int32: expert id (>= E + E2: unused item), first sorted row, row count
+    a_gmem,  # [R, K] f16 | bf16: activations in sorted-row order (R >= window_rows(P))
+    *rest,  # per stack (main, [extra]): w [E, N, K] e4m3 | bf16 | f16, [scale [E, cdiv(N,
+    #   b0), cdiv(K, b1)] f32]; then out [P, N] f32, o_smem [WINDOW, bn] f32, [w_stage
+    #   [bn, bk] (interpret mode)]
+    tile: SlotTile,
+    fp8_block: tuple[int, int] | None,
+    num_stacks: int,
+    stage_w: bool,
+):
+    per_stack = 1 if fp8_block is None else 2
+    stacks = [rest[i * per_stack:(i + 1) * per_stack] for i in range(num_stacks)]
+    o_gmem, o_smem, *w_stage = rest[num_stacks * per_stack:]
+    w_dtype = stacks[0][0].dtype
+    bn, bk = tile.block_n, tile.block_k
+    k = a_gmem.shape[-1]
+    u, nt = lax.axis_index("w"), lax.axis_index("n")
+    e = work_gmem[0, u]
+    start = work_gmem[1, u]
+    num_rows = work_gmem[2, u]  # 0 for an unused item
+    row0 = pl.multiple_of(start - lax.rem(start, 8), 8)  # the window's first row
+    n0 = pl.multiple_of(nt * bn, bn)
+    a_dtype = a_gmem.dtype
+
+    def operand(w_smem):
+        """The weight tile as the wgmma's A operand: [bn, bk] in registers (e4m3 -> f16)."""
+        w = w_smem[...]
+        if w.dtype != a_dtype:
+            w = w.astype(a_dtype)
+        if stage_w:  # the interpreter's wgmma reads A from SMEM only
+            w_stage[0][...] = w
+            plgpu.commit_smem()
+            w = w_stage[0]
+        return w
+
+    w_spec = plgpu.BlockSpec((bn, bk), lambda kb: (0, kb),
+                             transforms=_transforms(bk * w_dtype.itemsize, w_dtype.itemsize))
+    # 16-bit weights: the wgmma of step kb still reads its activation tile while step kb + 1
+    # runs (delay_release), each step waits only for the one before.
+    a_spec = plgpu.BlockSpec((WINDOW, bk), lambda kb: (0, kb),
+                             transforms=_transforms(bk * a_dtype.itemsize, a_dtype.itemsize),
+                             delay_release=0 if fp8_block else 1)
+
+    def scaled_steps(w_tile, a_tile, scale_ref, e):
+        """FP8: each step's partial (its own accumulator) times the step's block scale, the
+        scale of step kb + 1 loaded during step kb (a global load per step on the critical path
+        had held the kernel near 55% of HBM on the H200)."""
+        b0, b1 = fp8_block
+        num_steps = k // bk
+        row_block = lax.div(n0, b0)
+
+        def scale_of(kb):
+            return scale_ref[e, row_block, lax.div(jnp.minimum(kb, num_steps - 1) * bk, b1)]
+
+        def step(idx, w_smem, a_smem, carry):
+            (kb,) = idx
+            acc, s = carry
+            s_next = scale_of(kb + 1)
+            w = operand(w_smem)
+
+            def one_step(part):
+                plgpu.wgmma(part, w, a_smem.transpose((1, 0)))  # [bn, bk] x [bk, WINDOW]
+                return part[...]
+
+            part = pl.run_scoped(one_step, plgpu.ACC((bn, WINDOW), jnp.float32))
+            return acc + part * s, s_next
+
+        zeros = plgpu.layout_cast(jnp.zeros((bn, WINDOW), jnp.float32), plgpu.Layout.WGMMA)
+        acc, _ = plgpu.emit_pipeline(
+            step, grid=(num_steps,), in_specs=[w_spec, a_spec],
+            max_concurrent_steps=tile.num_stages, init_carry=(zeros, scale_of(0)),
+        )(w_tile, a_tile)
+        return acc
+
+    def plain_steps(w_tile, a_tile):
+        """16-bit weights: one accumulator, wgmma kept in flight across steps."""
+
+        def step(idx, w_smem, a_smem, acc_ref):
+            plgpu.wgmma(acc_ref, operand(w_smem), a_smem.transpose((1, 0)))
+            plgpu.wgmma_wait(1)
+            return acc_ref
+
+        def run(acc_ref):
+            plgpu.emit_pipeline(
+                step, grid=(k // bk,), in_specs=[w_spec, a_spec],
+                max_concurrent_steps=tile.num_stages, init_carry=acc_ref,
+            )(w_tile, a_tile)
+            return acc_ref[...]
+
+        return pl.run_scoped(run, plgpu.ACC((bn, WINDOW), jnp.float32))
+
+    def store_rows(offset):
+        """The item's rows ``[offset, offset + num_rows)`` of ``o_smem`` to ``out`` rows
+        ``[start, start + num_rows)``: one TMA store per set bit of ``num_rows`` (<= ROWS)."""
+        done = jnp.int32(0)
+        size = ROWS
+        while size >= 1:
+            @pl.when(num_rows & size != 0)
+            def _(size=size, done=done):
+                plgpu.copy_smem_to_gmem(
+                    o_smem.at[pl.ds(offset + done, size)],
+                    o_gmem.at[pl.ds(start + done, size), pl.ds(n0, bn)])
+
+            done = done + (num_rows & size)
+            size //= 2
+
+    def run(w_gmem, *scale, e):
+        """This item's rows through expert ``e`` of one stack, stored."""
+        w_tile = w_gmem.at[e, pl.ds(n0, bn)]
+        a_tile = a_gmem.at[pl.ds(row0, WINDOW)]
+        if fp8_block is None:
+            acc = plain_steps(w_tile, a_tile)  # [bn, WINDOW]
+        else:
+            acc = scaled_steps(w_tile, a_tile, scale[0], e)
+        # o_smem[r, n] = acc[n, r]: the accumulator stored transposed
+        o_smem.transpose((1, 0))[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+        plgpu.commit_smem()
+        store_rows(start - row0)
+        plgpu.wait_smem_to_gmem(0)
+
+    main_experts = stacks[0][0].shape[0]
+
+    @pl.when((num_rows > 0) & (e < main_experts))
+    def _():
+        run(*stacks[0], e=e)
+
+    if num_stacks == 2:  # expert ids from main_experts on name the extra stack's experts
+        @pl.when((num_rows > 0) & (e >= main_experts))
+        def _():
+            run(*stacks[1], e=e - main_experts)
+
+
+def unsupported_reason(w_dtype, a_dtype, n: int, k: int, *,
+                       fp8_block: tuple[int, int] | None, tile: SlotTile) -> str | None:
+    """Why ``slot_matmul`` cannot run this problem, or None."""
+    w_dtype, a_dtype = jnp.dtype(w_dtype), jnp.dtype(a_dtype)
+    if w_dtype not in [jnp.dtype(d) for d in _WEIGHT_DTYPES]:
+        return f"w: dtype {w_dtype} not supported (e4m3, bf16, f16)"
+    want = jnp.dtype(jnp.bfloat16) if w_dtype == jnp.bfloat16 else jnp.dtype(jnp.float16)
+    if a_dtype != want:
+        return f"a: expected dtype {want} for {w_dtype} weights, got {a_dtype}"
+    if (fp8_block is not None) != (w_dtype == jnp.float8_e4m3fn):
+        return "scale: FP8 weights take block scales, 16-bit weights none"
+    if k % tile.block_k:
+        return f"w: K={k} must be a multiple of block_k={tile.block_k}"
+    if n % tile.block_n:
+        return f"w: N={n} must be a multiple of block_n={tile.block_n}"
+    if fp8_block is not None:
+        b0, b1 = fp8_block
+        if b0 % tile.block_n or b1 % tile.block_k:
+            return (f"scale: the FP8 block {fp8_block} must be a multiple of "
+                    f"(block_n, block_k) = ({tile.block_n}, {tile.block_k})")
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("num_rows", "fp8_block", "tile", "interpret"))
+def slot_matmul(
+    work: jax.Array,  # [3, W] int32: expert (>= E: unused), first sorted row, row count <= 16
+    a: jax.Array,  # [R, K] f16 (bf16 with bf16 weights), sorted rows; R >= window_rows(P)
+    w: jax.Array,  # [E, N, K] e4m3 | bf16 | f16
+    scale: jax.Array | None = None,  # FP8: [E, cdiv(N, b0), cdiv(K, b1)] f32
+    extra: tuple[jax.Array, jax.Array | None] | None = None,  # (w, scale) [E2, ...] likewise:
+    #   expert ids E .. E + E2 - 1
+    *,
+    num_rows: int,  # P: rows of out
+    fp8_block: tuple[int, int] | None = None,
+    tile: SlotTile = SlotTile(),
+    interpret: bool = False,
+) -> jax.Array:
+    """``out [P, N]`` f32 in sorted-row order (see the module docstring; rows no item owns are
+    not written); ``interpret=True`` runs the Mosaic GPU interpreter (CPU tests)."""
+    if a.ndim != 2:
+        raise ValueError(f"a: expected rank 2 [R, K], got shape {a.shape}")
+    rows_a, k = a.shape
+    if rows_a < window_rows(num_rows):
+        raise ValueError(f"a: expected at least {window_rows(num_rows)} rows (num_rows = "
+                         f"{num_rows} rounded up to 8, plus 16: the last window), got {rows_a}")
+    if w.ndim != 3 or w.shape[2] != k:
+        raise ValueError(f"w: expected shape [E, N, {k}], got {w.shape}")
+    if work.ndim != 2 or work.shape[0] != 3:
+        raise ValueError(f"work: expected shape (3, W), got {work.shape}")
+    _, n, _ = w.shape
+    reason = unsupported_reason(w.dtype, a.dtype, n, k, fp8_block=fp8_block, tile=tile)
+    if reason:
+        raise NotImplementedError(reason)
+    stacks = [("", w, scale)] + ([("extra_", *extra)] if extra is not None else [])
+    operands = []
+    for prefix, ws, ss in stacks:
+        if ws.ndim != 3 or ws.shape[1:] != (n, k) or ws.dtype != w.dtype:
+            raise ValueError(f"{prefix}w: expected [E, {n}, {k}] {w.dtype}, got {ws.shape} "
+                             f"{ws.dtype}")
+        operands.append(ws)
+        if fp8_block is None:
+            if ss is not None:
+                raise ValueError(f"{prefix}scale: 16-bit weights take no scale")
+            continue
+        b0, b1 = fp8_block
+        want = (ws.shape[0], pl.cdiv(n, b0), pl.cdiv(k, b1))
+        if ss is None or ss.shape != want:
+            raise ValueError(f"{prefix}scale: expected shape {want}, got "
+                             f"{None if ss is None else ss.shape}")
+        operands.append(ss.astype(jnp.float32))
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, tile=tile, fp8_block=fp8_block, num_stacks=len(stacks),
+                          stage_w=interpret),
+        out_type=jax.ShapeDtypeStruct((num_rows, n), jnp.float32),
+        grid=(work.shape[1], n // tile.block_n),
+        grid_names=("w", "n"),
+        scratch_types=[plgpu.SMEM((WINDOW, tile.block_n), jnp.float32)] + (
+            [plgpu.SMEM((tile.block_n, tile.block_k), a.dtype,
+                        transforms=_transforms(tile.block_k * a.dtype.itemsize,
+                                               a.dtype.itemsize))] if interpret else []),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    return kernel(work, a, *operands)
+
+
+def slot_matmul_reference(work, a, w, scale=None, *, num_rows: int, fp8_block=None
+                          ) -> jax.Array:
+    """Plain jnp: ``[P, N]`` f32, every row of every item (rows no item owns: 0)."""
+    wf = w.astype(jnp.float32)
+    if fp8_block is not None:
+        b0, b1 = fp8_block
+        s = jnp.repeat(jnp.repeat(scale, b0, axis=1), b1, axis=2)[:, :w.shape[1], :w.shape[2]]
+        wf = wf * s
+    r = jnp.arange(num_rows, dtype=jnp.int32)
+    expert, start, count = work
+    owner = (r[:, None] >= start[None, :]) & (r[:, None] < (start + count)[None, :])  # [P, W]
+    e = jnp.sum(jnp.where(owner, expert[None, :], 0), axis=1)  # [P]
+    owned = jnp.any(owner, axis=1)
+    out = jnp.einsum("pk,pnk->pn", a[:num_rows].astype(jnp.float32),
+                     wf[jnp.clip(e, 0, w.shape[0] - 1)], precision=jax.lax.Precision.HIGHEST)
+    return jnp.where(owned[:, None], out, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The full decode step: chunked plan, two launches, XLA glue.
+# ---------------------------------------------------------------------------------------------
+
+
+def work_items(plan: DecodePlan) -> jax.Array:
+    """``[3, W]`` int32 (expert, first sorted row, row count): the decode plan's slots cut into
+    items of at most ``ROWS`` rows, on device; items past the last have 0 rows (their expert
+    is an idle slot's). ``W = U + cdiv(P, ROWS)`` bounds ``sum(cdiv(rows_u, ROWS))``."""
+    expert, first, rows = plan.work  # [U]
+    u_slots = expert.shape[0]
+    num_items = u_slots + pl.cdiv(plan.token_of_row.shape[0], ROWS)
+    chunks = lax.div(rows + ROWS - 1, ROWS)  # [U]
+    ends = jnp.cumsum(chunks)  # [U] inclusive
+    w = jnp.arange(num_items, dtype=jnp.int32)
+    slot = jnp.sum((ends[None, :] <= w[:, None]).astype(jnp.int32), axis=1)  # [W]
+    slot_c = jnp.minimum(slot, u_slots - 1)
+    c = w - (ends[slot_c] - chunks[slot_c])  # chunk within its slot
+    count = jnp.where(slot < u_slots, jnp.clip(rows[slot_c] - c * ROWS, 0, ROWS), 0)
+    return jnp.stack([expert[slot_c], first[slot_c] + c * ROWS, count]).astype(jnp.int32)
+
+
+def _scaled_rows(v):
+    """Rows ``[R, K]`` -> (f16 rows scaled by powers of two into ``[2^10, 2^11)``, the f32
+    factor ``[R, 1]`` that undoes it)."""
+    amax = jnp.max(jnp.abs(v.astype(jnp.float32)), axis=-1)
+    up, down = _pow2_row_scales(amax)
+    return (v.astype(jnp.float32) * up[:, None]).astype(jnp.float16), down[:, None]
+
+
+_MOSAIC_STATIC = ("activation", "gate_up_layout", "limit", "alpha", "block_size", "tile",
+                  "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_MOSAIC_STATIC)
+def moe_decode_mosaic_pairs(
+    x: jax.Array,  # [T, H] bf16
+    expert_ids: jax.Array,  # [T, k] int; outside [0, E): zero expert (skipped)
+    gate_up: jax.Array,  # [E, 2I, H] e4m3 | bf16
+    down: jax.Array,  # [E, H, I] e4m3 | bf16
+    *,
+    gate_up_scale: jax.Array | None = None,  # FP8: [E, cdiv(2I, b0), cdiv(H, b1)] f32
+    down_scale: jax.Array | None = None,  # FP8: [E, cdiv(H, b0), cdiv(I, b1)] f32
+    gate_up_bias: jax.Array | None = None,  # [E, 2I]
+    down_bias: jax.Array | None = None,  # [E, H]
+    activation: Activation | str = Activation.SILU,
+    gate_up_layout: GateUpLayout | str = GateUpLayout.CONCATENATED,
+    limit: float | None = None,
+    alpha: float = GPT_OSS_ALPHA,
+    block_size: tuple[int, int] = (128, 128),
+    tile: tuple[SlotTile, SlotTile] | None = None,  # (gate_up, down); None: choose_slot_tile
+    interpret: bool = False,
+    extra: ExtraExperts | None = None,  # a second stack: expert ids E .. E + E2 - 1
+) -> jax.Array:
+    """Routed expert outputs of each (token, slot) pair ``[T, k, H]`` f32 (zero experts: 0),
+    as ``kernel.moe_decode_pairs``, through the Mosaic GPU launches (module docstring); h
+    between them is rounded to bf16 as there. ``extra`` (the shared expert folded in): same
+    dtype and per-expert shapes, no biases, no global scales."""
+    activation = Activation.coerce(activation)
+    layout = GateUpLayout.coerce(gate_up_layout)
+    if activation is Activation.GPT_OSS and limit is None:
+        limit = GPT_OSS_LIMIT
+    if x.ndim != 2 or x.dtype != jnp.bfloat16:
+        raise NotImplementedError(f"x: the Mosaic decode path takes bf16 [T, H], got "
+                                  f"{x.dtype} {x.shape}")
+    e, two_i, hidden = gate_up.shape
+    inter = two_i // 2
+    if down.shape != (e, hidden, inter):
+        raise ValueError(f"down: expected shape {(e, hidden, inter)}, got {down.shape}")
+    fp8 = gate_up.dtype == jnp.float8_e4m3fn
+    fp8_block = tuple(block_size) if fp8 else None
+    e_all = e
+    if extra is not None:
+        if not isinstance(extra, ExtraExperts):
+            raise TypeError(f"extra: expected ExtraExperts, got {type(extra).__name__}")
+        if gate_up_bias is not None or down_bias is not None:
+            raise ValueError("extra: the main stack has biases (the extra stack has none)")
+        if any(v is not None for v in (extra.gate_up_bias, extra.down_bias,
+                                       extra.gate_up_global_scale, extra.down_global_scale)):
+            raise ValueError("extra: biases and global scales are not supported")
+        e_all += extra.gate_up.shape[0]
+    plan = make_plan(expert_ids, e_all, pallas=not interpret, interpret=interpret)
+    p = plan.token_of_row.shape[0]
+    work = work_items(plan)
+    if tile is None:
+        tile = (choose_slot_tile(hidden), choose_slot_tile(inter))
+
+    def launch(rows, w, scale, extra_stack, tile):
+        """``rows [P, K]`` (sorted) through one launch: ``[P, N]`` f32."""
+        if fp8:
+            a, unscale = _scaled_rows(rows)  # f16 rows, [P, 1]
+        else:
+            a, unscale = rows.astype(jnp.bfloat16), None
+        a = jnp.pad(a, ((0, window_rows(p) - p), (0, 0)))  # the last item's window
+        out = slot_matmul(work, a, w, scale, extra_stack, num_rows=p, fp8_block=fp8_block,
+                          tile=tile, interpret=interpret)
+        return out if unscale is None else out * unscale
+
+    expert_of_row = plan.work[0][_slot_of_row(plan)]  # [P] (rows of zero experts: E)
+    xs = None if extra is None else (extra.gate_up, extra.gate_up_scale)
+    gu = launch(x[plan.token_of_row], gate_up, gate_up_scale, xs, tile[0])  # [P, 2I]
+    if gate_up_bias is not None:
+        gu = gu + jnp.take(gate_up_bias.astype(jnp.float32), expert_of_row, axis=0,
+                           mode="clip")
+    if layout is GateUpLayout.INTERLEAVED:
+        gate, up = gu[:, 0::2], gu[:, 1::2]
+    else:
+        gate, up = gu[:, :inter], gu[:, inter:]
+    # h as the Triton path stores it (bf16); the barrier keeps the rounding under XLA's GPU
+    # excess-precision rule (grouped_matmul.reference.rounded)
+    h = rounded(_epilogue(gate, up, activation, limit, alpha), jnp.bfloat16)  # [P, I]
+    xs = None if extra is None else (extra.down, extra.down_scale)
+    y = launch(h, down, down_scale, xs, tile[1])  # [P, H]
+    if down_bias is not None:
+        y = y + jnp.take(down_bias.astype(jnp.float32), expert_of_row, axis=0, mode="clip")
+    return pairs_of(y[None], plan)
+
+
+def _slot_of_row(plan: DecodePlan) -> jax.Array:
+    """``[P]`` the slot of each sorted row (rows past the routed ones: the last slot)."""
+    first = plan.work[1]  # [U] increasing over the busy slots
+    busy = plan.work[2] > 0
+    r = jnp.arange(plan.token_of_row.shape[0], dtype=jnp.int32)
+    hits = busy[None, :] & (first[None, :] <= r[:, None])  # [P, U]
+    return jnp.maximum(jnp.sum(hits.astype(jnp.int32), axis=1) - 1, 0)
