@@ -84,6 +84,7 @@ ROTATE = 8  # input sets per timing loop
 
 PALLAS = aj.KernelConfig(grouped_matmul="pallas", moe_path="decode")
 XLA_DECODE = aj.KernelConfig(grouped_matmul="xla", moe_path="decode")
+TRITON_DECODE = PALLAS.replace(decode_kernel="triton")  # --compare-triton
 RAGGED_DOT = aj.KernelConfig(grouped_matmul="xla", moe_path="prefill")
 
 
@@ -253,7 +254,7 @@ def _time(kernels, params, xs, loops, host: bool = False, busy: bool = False):
 
 
 def bench(shapes, formats, token_counts, *, hbm: float, loops: int,
-          peer_formats: list[str]) -> list[dict]:
+          peer_formats: list[str], compare_triton: bool = False) -> list[dict]:
     rows = []
     for shape in shapes:
         for name in formats:
@@ -274,6 +275,14 @@ def bench(shapes, formats, token_counts, *, hbm: float, loops: int,
                     continue
                 row.update(us=t * 1e6, GBps=nbytes / t / 1e9, frac_hbm=nbytes / t / hbm,
                            bound_us=(nbytes / hbm + 10e-6) * 1e6)
+                if compare_triton:  # the Triton decode kernels on the same step
+                    tt, err = _time(TRITON_DECODE, p, xs, loops)
+                    row["triton_us"] = tt * 1e6 if tt else err
+                    if tt:
+                        row["vs_triton"] = tt / t
+                    bt, _ = _time(TRITON_DECODE, p, xs, loops, busy=True)
+                    if bt:
+                        row["triton_busy_us"] = bt[0] * 1e6
                 th, err = _time(PALLAS, p, xs, loops, host=True)
                 row["host_us"] = th * 1e6 if th else err
                 busy, err = _time(PALLAS, p, xs, loops, busy=True)
@@ -478,6 +487,10 @@ def main() -> None:
                         help="--sweep: only these variants besides the heuristic's (names as "
                              "in the sweep table, e.g. 'bf16 dots' 'split_k x2')")
     parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--compare-triton", action="store_true",
+                        help="also time each step on the Triton decode kernels "
+                             "(KernelConfig.decode_kernel='triton'; 'auto' takes Mosaic GPU "
+                             "for FP8 on sm_90)")
     parser.add_argument("--out", type=Path, help="write the markdown tables here")
     args = parser.parse_args()
     on_gpu = jax.default_backend() == "gpu"
@@ -502,8 +515,10 @@ def main() -> None:
             print(f"{len(bad)} correctness failures", flush=True)
     hbm = hbm_copy_bandwidth(0.0625 if args.tiny else 4.0)
     peer_formats = [] if args.no_peers else (args.peer_formats or formats)
-    rows = bench(shapes, formats, token_counts, hbm=hbm, loops=loops, peer_formats=peer_formats)
-    cols = ["shape", "format", "tokens", "experts", "MB", "us", "bound_us", "host_us", "busy_us",
+    rows = bench(shapes, formats, token_counts, hbm=hbm, loops=loops, peer_formats=peer_formats,
+                 compare_triton=args.compare_triton)
+    cols = ["shape", "format", "tokens", "experts", "MB", "us", "bound_us", "triton_us",
+            "vs_triton", "triton_busy_us", "host_us", "busy_us",
             "launches", "GBps", "frac_hbm", "busy_frac_hbm", "ragged_dot_us", "vs_ragged_dot",
             "busy_vs_ragged_dot", "xla_decode_us", "vs_xla_decode", "busy_vs_xla_decode"]
     lines += [f"HBM copy {hbm / 1e12:.2f} TB/s (measured in this run). Full moe_forward decode "

@@ -105,12 +105,12 @@ def test_slot_matmul_writes_exactly_its_rows(fmt, k):
     a_dtype = jnp.float16 if fmt is FP8 else jnp.bfloat16
     a = jnp.asarray(rng.standard_normal((window_rows(p), k)), a_dtype)
     fp8_block = FP8_BLOCK if fmt is FP8 else None
-    out = slot_matmul(work, a, w["w"], scale, num_rows=p, fp8_block=fp8_block,
-                      tile=choose_slot_tile(k), interpret=True)
-    ref = slot_matmul_reference(work, a, w["w"], scale, num_rows=p, fp8_block=fp8_block)
-    chex.assert_shape(out, (p, n))
+    out = slot_matmul(work, a, w["w"], scale, fp8_block=fp8_block, tile=choose_slot_tile(k),
+                      interpret=True)
+    ref = slot_matmul_reference(work, a, w["w"], scale, fp8_block=fp8_block)
+    chex.assert_shape(out, (window_rows(p), n))
     out, ref = np.asarray(out), np.asarray(ref)
-    owned = np.zeros(p, bool)
+    owned = np.zeros(window_rows(p), bool)
     for _, first, rows in np.asarray(work).T:
         owned[first:first + rows] = True
     assert np.isnan(out[~owned]).all(), "a row no item owns was written"
@@ -123,16 +123,16 @@ def test_slot_matmul_bad_inputs_raise():
     s = jnp.ones((2, 2, 1), jnp.float32)
     work = jnp.zeros((3, 2), jnp.int32)
     a = jnp.zeros((window_rows(4), 128), jnp.float16)
-    with pytest.raises(ValueError, match="rows"):
-        slot_matmul(work, a[:10], w, s, num_rows=4, fp8_block=FP8_BLOCK)
+    with pytest.raises(ValueError, match="one window"):
+        slot_matmul(work, a[:10], w, s, fp8_block=FP8_BLOCK)
     with pytest.raises(ValueError, match="scale: expected shape"):
-        slot_matmul(work, a, w, s[:, :1], num_rows=4, fp8_block=FP8_BLOCK)
+        slot_matmul(work, a, w, s[:, :1], fp8_block=FP8_BLOCK)
     with pytest.raises(NotImplementedError, match="a: expected dtype float16"):
-        slot_matmul(work, a.astype(jnp.bfloat16), w, s, num_rows=4, fp8_block=FP8_BLOCK)
+        slot_matmul(work, a.astype(jnp.bfloat16), w, s, fp8_block=FP8_BLOCK)
     with pytest.raises(NotImplementedError, match="multiple of block_n"):
-        slot_matmul(work, a, w[:, :96], s, num_rows=4, fp8_block=FP8_BLOCK)
+        slot_matmul(work, a, w[:, :96], s, fp8_block=FP8_BLOCK)
     with pytest.raises(NotImplementedError, match="FP8 block"):
-        slot_matmul(work, a, w, jnp.ones((2, 4, 1)), num_rows=4, fp8_block=(32, 128))
+        slot_matmul(work, a, w, jnp.ones((2, 4, 1)), fp8_block=(32, 128))
     with pytest.raises(ValueError, match="SlotTile.block_k"):
         SlotTile(block_k=32)
 
@@ -302,7 +302,7 @@ class TestLowersForHopper:
 
         def f(work, a, w, *rest):
             scale, xw, xs = rest if block else (None, *rest, None)
-            return slot_matmul(work, a, w, scale, (xw, xs), num_rows=p, fp8_block=block,
+            return slot_matmul(work, a, w, scale, (xw, xs), fp8_block=block,
                                tile=choose_slot_tile(k))
 
         text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()

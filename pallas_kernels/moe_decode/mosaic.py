@@ -13,13 +13,15 @@ Work items. The decode plan (``kernel.make_plan``: pairs sorted by expert, one s
 distinct expert) is cut into chunks of at most 16 rows (``chunk_plan``): work item ``w`` owns
 sorted rows ``[start_w, start_w + count_w)`` of one expert ``e_w``; there are at most
 ``U + P / 16`` of them (a static bound; unused items have 0 rows and their programs exit at
-once). The activations come in sorted-row order ``a [R, K]`` (``R >= window_rows(P)``): a
-program reads the 24-row window from ``start_w`` rounded down to a multiple of 8 (a TMA into
-tiled SMEM starts at an 8-aligned row) and its item's rows sit at offset ``start_w % 8`` in it.
+once). The activations come in sorted-row order ``a [R, K]`` (``R = window_rows(P)``: the
+rows past ``P`` are read by the last windows only): a program reads the 24-row window from
+``start_w`` rounded down to a multiple of 8 (a TMA into tiled SMEM starts at an 8-aligned row)
+and its item's rows sit at offset ``start_w % 8`` in it.
 
 Kernel (``slot_matmul``): ``out[r, n] = sum_k w[e_w, n, k] * scale(e_w, n, k) * a[r, k]`` for
-every sorted row ``r`` of every item, in sorted-row order like the Triton kernels' output;
-other rows of ``out`` are not written. Grid ``(W, N / 64)``, one warpgroup a program: 64 weight
+every sorted row ``r`` of every item, in sorted-row order like the Triton kernels' output
+(``out`` has ``a``'s R rows, so the glue between the launches needs no padding copies); other
+rows of ``out`` are not written. Grid ``(W, N / 64)``, one warpgroup a program: 64 weight
 rows are the wgmma's M, the 24-row window its N. The transposed accumulator ``[64, 24]`` is
 stored transposed into SMEM (``WGMMA_TRANSPOSED`` layout) and the item's rows leave by TMA, one
 store per set bit of its row count (a TMA box has a static shape; no other row is touched).
@@ -252,28 +254,29 @@ def unsupported_reason(w_dtype, a_dtype, n: int, k: int, *,
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("num_rows", "fp8_block", "tile", "interpret"))
+@functools.partial(jax.jit, static_argnames=("fp8_block", "tile", "interpret"))
 def slot_matmul(
     work: jax.Array,  # [3, W] int32: expert (>= E: unused), first sorted row, row count <= 16
     a: jax.Array,  # [R, K] f16 (bf16 with bf16 weights), sorted rows; R >= window_rows(P)
+    #   for items over the rows [0, P)
     w: jax.Array,  # [E, N, K] e4m3 | bf16 | f16
     scale: jax.Array | None = None,  # FP8: [E, cdiv(N, b0), cdiv(K, b1)] f32
     extra: tuple[jax.Array, jax.Array | None] | None = None,  # (w, scale) [E2, ...] likewise:
     #   expert ids E .. E + E2 - 1
     *,
-    num_rows: int,  # P: rows of out
     fp8_block: tuple[int, int] | None = None,
     tile: SlotTile = SlotTile(),
     interpret: bool = False,
 ) -> jax.Array:
-    """``out [P, N]`` f32 in sorted-row order (see the module docstring; rows no item owns are
-    not written); ``interpret=True`` runs the Mosaic GPU interpreter (CPU tests)."""
+    """``out [R, N]`` f32 in sorted-row order, row for row with ``a`` (see the module
+    docstring; rows no item owns are not written). Items own rows below ``P`` where ``R >=
+    window_rows(P)`` (every item's window inside ``a``: the caller's contract, data-dependent).
+    ``interpret=True`` runs the Mosaic GPU interpreter (CPU tests)."""
     if a.ndim != 2:
         raise ValueError(f"a: expected rank 2 [R, K], got shape {a.shape}")
     rows_a, k = a.shape
-    if rows_a < window_rows(num_rows):
-        raise ValueError(f"a: expected at least {window_rows(num_rows)} rows (num_rows = "
-                         f"{num_rows} rounded up to 8, plus 16: the last window), got {rows_a}")
+    if rows_a < WINDOW:
+        raise ValueError(f"a: expected at least {WINDOW} rows (one window), got {rows_a}")
     if w.ndim != 3 or w.shape[2] != k:
         raise ValueError(f"w: expected shape [E, N, {k}], got {w.shape}")
     if work.ndim != 2 or work.shape[0] != 3:
@@ -302,7 +305,7 @@ def slot_matmul(
     kernel = plgpu.kernel(
         functools.partial(_kernel, tile=tile, fp8_block=fp8_block, num_stacks=len(stacks),
                           stage_w=interpret),
-        out_type=jax.ShapeDtypeStruct((num_rows, n), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((rows_a, n), jnp.float32),
         grid=(work.shape[1], n // tile.block_n),
         grid_names=("w", "n"),
         scratch_types=[plgpu.SMEM((WINDOW, tile.block_n), jnp.float32)] + (
@@ -316,20 +319,19 @@ def slot_matmul(
     return kernel(work, a, *operands)
 
 
-def slot_matmul_reference(work, a, w, scale=None, *, num_rows: int, fp8_block=None
-                          ) -> jax.Array:
-    """Plain jnp: ``[P, N]`` f32, every row of every item (rows no item owns: 0)."""
+def slot_matmul_reference(work, a, w, scale=None, *, fp8_block=None) -> jax.Array:
+    """Plain jnp: ``[R, N]`` f32, every row of every item (rows no item owns: 0)."""
     wf = w.astype(jnp.float32)
     if fp8_block is not None:
         b0, b1 = fp8_block
         s = jnp.repeat(jnp.repeat(scale, b0, axis=1), b1, axis=2)[:, :w.shape[1], :w.shape[2]]
         wf = wf * s
-    r = jnp.arange(num_rows, dtype=jnp.int32)
+    r = jnp.arange(a.shape[0], dtype=jnp.int32)
     expert, start, count = work
     owner = (r[:, None] >= start[None, :]) & (r[:, None] < (start + count)[None, :])  # [P, W]
     e = jnp.sum(jnp.where(owner, expert[None, :], 0), axis=1)  # [P]
     owned = jnp.any(owner, axis=1)
-    out = jnp.einsum("pk,pnk->pn", a[:num_rows].astype(jnp.float32),
+    out = jnp.einsum("pk,pnk->pn", a.astype(jnp.float32),
                      wf[jnp.clip(e, 0, w.shape[0] - 1)], precision=jax.lax.Precision.HIGHEST)
     return jnp.where(owned[:, None], out, 0.0)
 
@@ -417,24 +419,26 @@ def moe_decode_mosaic_pairs(
         e_all += extra.gate_up.shape[0]
     plan = make_plan(expert_ids, e_all, pallas=not interpret, interpret=interpret)
     p = plan.token_of_row.shape[0]
+    rows = window_rows(p)  # sorted rows, then rows no item owns (inside the last windows)
     work = work_items(plan)
     if tile is None:
         tile = (choose_slot_tile(hidden), choose_slot_tile(inter))
 
-    def launch(rows, w, scale, extra_stack, tile):
-        """``rows [P, K]`` (sorted) through one launch: ``[P, N]`` f32."""
+    def launch(a, w, scale, extra_stack, tile):
+        """``a [R, K]`` (sorted rows) through one launch: ``[R, N]`` f32 (rows past the items'
+        hold garbage: they only meet other garbage rows)."""
         if fp8:
-            a, unscale = _scaled_rows(rows)  # f16 rows, [P, 1]
+            a, unscale = _scaled_rows(a)  # f16 rows, [R, 1]
         else:
-            a, unscale = rows.astype(jnp.bfloat16), None
-        a = jnp.pad(a, ((0, window_rows(p) - p), (0, 0)))  # the last item's window
-        out = slot_matmul(work, a, w, scale, extra_stack, num_rows=p, fp8_block=fp8_block,
-                          tile=tile, interpret=interpret)
+            a, unscale = a.astype(jnp.bfloat16), None
+        out = slot_matmul(work, a, w, scale, extra_stack, fp8_block=fp8_block, tile=tile,
+                          interpret=interpret)
         return out if unscale is None else out * unscale
 
-    expert_of_row = plan.work[0][_slot_of_row(plan)]  # [P] (rows of zero experts: E)
+    token = jnp.pad(plan.token_of_row, (0, rows - p))  # [R] (extra rows: token 0)
+    expert_of_row = plan.work[0][_slot_of_row(plan, rows)]  # [R] (unowned rows: any)
     xs = None if extra is None else (extra.gate_up, extra.gate_up_scale)
-    gu = launch(x[plan.token_of_row], gate_up, gate_up_scale, xs, tile[0])  # [P, 2I]
+    gu = launch(x[token], gate_up, gate_up_scale, xs, tile[0])  # [R, 2I]
     if gate_up_bias is not None:
         gu = gu + jnp.take(gate_up_bias.astype(jnp.float32), expert_of_row, axis=0,
                            mode="clip")
@@ -444,18 +448,19 @@ def moe_decode_mosaic_pairs(
         gate, up = gu[:, :inter], gu[:, inter:]
     # h as the Triton path stores it (bf16); the barrier keeps the rounding under XLA's GPU
     # excess-precision rule (grouped_matmul.reference.rounded)
-    h = rounded(_epilogue(gate, up, activation, limit, alpha), jnp.bfloat16)  # [P, I]
+    h = rounded(_epilogue(gate, up, activation, limit, alpha), jnp.bfloat16)  # [R, I]
     xs = None if extra is None else (extra.down, extra.down_scale)
-    y = launch(h, down, down_scale, xs, tile[1])  # [P, H]
+    y = launch(h, down, down_scale, xs, tile[1])  # [R, H]
     if down_bias is not None:
         y = y + jnp.take(down_bias.astype(jnp.float32), expert_of_row, axis=0, mode="clip")
     return pairs_of(y[None], plan)
 
 
-def _slot_of_row(plan: DecodePlan) -> jax.Array:
-    """``[P]`` the slot of each sorted row (rows past the routed ones: the last slot)."""
+def _slot_of_row(plan: DecodePlan, rows: int) -> jax.Array:
+    """``[rows]`` the slot of each sorted row (rows past the routed ones: the last busy
+    slot)."""
     first = plan.work[1]  # [U] increasing over the busy slots
     busy = plan.work[2] > 0
-    r = jnp.arange(plan.token_of_row.shape[0], dtype=jnp.int32)
+    r = jnp.arange(rows, dtype=jnp.int32)
     hits = busy[None, :] & (first[None, :] <= r[:, None])  # [P, U]
     return jnp.maximum(jnp.sum(hits.astype(jnp.int32), axis=1) - 1, 0)
