@@ -28,7 +28,10 @@ from pallas_kernels.moe_decode import ExtraExperts, moe_decode_pairs_reference
 from pallas_kernels.moe_decode.mosaic import (
     ROWS,
     SlotTile,
+    _natural_order,
     choose_slot_tile,
+    expand_fp4_activations,
+    format_name,
     moe_decode_mosaic_pairs,
     slot_matmul,
     slot_matmul_reference,
@@ -41,17 +44,19 @@ ops_decode = importlib.import_module("atlas_jax.ops.moe_decode")  # the module, 
 E, H, I = 6, 192, 128
 FP8_BLOCK = (64, 128)
 ON_GPU = jax.devices()[0].platform == "gpu"
-FP8, BF16 = WeightFormat.FP8_BLOCK, WeightFormat.BF16
+FP8, BF16, NVFP4, MXFP4 = (WeightFormat.FP8_BLOCK, WeightFormat.BF16, WeightFormat.NVFP4,
+                           WeightFormat.MXFP4)
+FP4 = (NVFP4, MXFP4)
 
 
 def arrays(fmt: WeightFormat, *, e: int = E, h: int = H, inter: int = I, bias: bool = False,
            seed: int = 0, fp8_block: tuple[int, int] = FP8_BLOCK) -> dict:
-    """Keyword arrays of both stacks for ``moe_decode_mosaic_pairs`` (and, with ``fmt``, the
-    reference)."""
+    """Keyword arrays of both stacks for ``moe_decode_mosaic_pairs`` and the reference (NVFP4:
+    gate_up with two global-scale row segments)."""
     rng = np.random.default_rng(seed)
-    gu = make_weights(rng, fmt, 2 * inter, h, e=e, fp8_block=fp8_block)
+    gu = make_weights(rng, fmt, 2 * inter, h, e=e, fp8_block=fp8_block, global_rows=2)
     dn = make_weights(rng, fmt, h, inter, e=e, fp8_block=fp8_block)
-    kw = dict(gate_up=gu.pop("w"), down=dn.pop("w"))
+    kw = dict(gate_up=gu.pop("w"), down=dn.pop("w"), fmt=fmt)
     kw.update({f"gate_up_{name}": v for name, v in gu.items()})
     kw.update({f"down_{name}": v for name, v in dn.items()})
     if fmt is FP8:
@@ -89,25 +94,29 @@ def assert_pairs_close(out, ref, ids, num_experts: int, tol: float = 2e-3):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", [FP8, BF16], ids=lambda f: f.value)
+@pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4, MXFP4], ids=lambda f: f.value)
 @pytest.mark.parametrize("k", [128, 192])  # one 128-wide step; three 64-wide steps
 def test_slot_matmul_writes_exactly_its_rows(fmt, k):
     """Items start at rows that are not multiples of 8 (windows read rows of their
-    neighbours), hold 1..16 rows (every set bit of the store), two column tiles; an unused
-    item and rows no item owns: those rows stay NaN."""
+    neighbours), hold 1..16 rows (every set bit of the store), two column tiles (NVFP4: each
+    with its own global scale); an unused item and rows no item owns: those rows stay NaN."""
     rng = np.random.default_rng(3)
     n, p = 128, 45
-    w = make_weights(rng, fmt, n, k, e=4, fp8_block=FP8_BLOCK)
-    scale = w.get("scale")
+    w = make_weights(rng, fmt, n, k, e=4, fp8_block=FP8_BLOCK, global_rows=2)
+    scale, global_scale = w.get("scale"), w.get("global_scale")
+    name = format_name(fmt, w["w"].dtype)
     # (expert, first row, rows): rows 0-15, 16 (1 row), 19-31 (13), 33-39 (7), 42-44 (3)
     work = jnp.asarray(np.array([[2, 0, 16], [0, 16, 1], [3, 19, 13], [1, 33, 7],
                                  [4, 0, 0], [2, 42, 3]]).T, jnp.int32)
-    a_dtype = jnp.float16 if fmt is FP8 else jnp.bfloat16
+    a_dtype = jnp.bfloat16 if fmt is BF16 else jnp.float16
     a = jnp.asarray(rng.standard_normal((window_rows(p), k)), a_dtype)
+    if fmt in FP4:
+        a = expand_fp4_activations(a, name)
     fp8_block = FP8_BLOCK if fmt is FP8 else None
-    out = slot_matmul(work, a, w["w"], scale, fp8_block=fp8_block, tile=choose_slot_tile(k),
-                      interpret=True)
-    ref = slot_matmul_reference(work, a, w["w"], scale, fp8_block=fp8_block)
+    out = slot_matmul(work, a, w["w"], scale, None, global_scale, fmt=name, fp8_block=fp8_block,
+                      tile=choose_slot_tile(k), interpret=True)
+    ref = slot_matmul_reference(work, a, w["w"], scale, global_scale, fmt=name,
+                                fp8_block=fp8_block)
     chex.assert_shape(out, (window_rows(p), n))
     out, ref = np.asarray(out), np.asarray(ref)
     owned = np.zeros(window_rows(p), bool)
@@ -118,6 +127,16 @@ def test_slot_matmul_writes_exactly_its_rows(fmt, k):
                                atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_activation_order_round_trip(fmt):
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((8, 96)), jnp.float16)
+    expanded = expand_fp4_activations(a, fmt)
+    chex.assert_shape(expanded, (8, 96 * (2 if fmt == "nvfp4" else 1)))
+    np.testing.assert_array_equal(np.asarray(_natural_order(expanded, fmt)), np.asarray(a))
+    if fmt == "nvfp4":  # half the expanded columns are the other group's zeros
+        assert int(jnp.sum(expanded == 0)) >= 8 * 96
+
+
 def test_slot_matmul_bad_inputs_raise():
     w = jnp.zeros((2, 128, 128), jnp.float8_e4m3fn)
     s = jnp.ones((2, 2, 1), jnp.float32)
@@ -125,10 +144,18 @@ def test_slot_matmul_bad_inputs_raise():
     a = jnp.zeros((window_rows(4), 128), jnp.float16)
     with pytest.raises(ValueError, match="one window"):
         slot_matmul(work, a[:10], w, s, fp8_block=FP8_BLOCK)
-    with pytest.raises(ValueError, match="scale: expected shape"):
+    with pytest.raises(ValueError, match=r"scale: expected \(2, 2, 1\)"):
         slot_matmul(work, a, w, s[:, :1], fp8_block=FP8_BLOCK)
-    with pytest.raises(NotImplementedError, match="a: expected dtype float16"):
+    with pytest.raises(ValueError, match="a: expected"):
         slot_matmul(work, a.astype(jnp.bfloat16), w, s, fp8_block=FP8_BLOCK)
+    codes = jnp.zeros((2, 128, 64), jnp.uint8)
+    with pytest.raises(ValueError, match="fmt: uint8 weights need"):
+        slot_matmul(work, a, codes, jnp.zeros((2, 128, 4), jnp.uint8))
+    with pytest.raises(ValueError, match="global_scale"):
+        slot_matmul(work, a, codes, jnp.zeros((2, 128, 8), jnp.float8_e4m3fn), fmt="nvfp4")
+    with pytest.raises(NotImplementedError, match="row segments"):
+        slot_matmul(work, a.repeat(2, axis=1), codes, jnp.zeros((2, 128, 8), jnp.float8_e4m3fn),
+                    None, jnp.ones((2, 4)), fmt="nvfp4")
     with pytest.raises(NotImplementedError, match="multiple of block_n"):
         slot_matmul(work, a, w[:, :96], s, fp8_block=FP8_BLOCK)
     with pytest.raises(NotImplementedError, match="FP8 block"):
@@ -150,6 +177,11 @@ CASES = [  # (T, k, format, variant, patterns)
     (3, 2, BF16, dict(activation="gelu_tanh"), ("random", "last_expert")),
     (33, 2, BF16, dict(activation="gpt_oss", gate_up_layout="interleaved", limit=0.5,
                        bias=True), ("one_expert",)),
+    (3, 3, NVFP4, dict(activation="gelu_tanh", bias=True), ("random", "zero_experts")),
+    (33, 2, NVFP4, dict(), ("one_expert",)),
+    (8, 2, MXFP4, dict(activation="gpt_oss", gate_up_layout="interleaved", limit=0.5,
+                       bias=True), ("repeated", "dup_in_token")),
+    (1, 4, MXFP4, dict(), ("random",)),
 ]
 
 
@@ -162,27 +194,24 @@ def test_pairs_against_reference(t, k, fmt, variant, patterns):
     for i, pattern in enumerate(patterns):
         ids = routing(pattern, t, k, seed=i)
         out = moe_decode_mosaic_pairs(x, ids, interpret=True, **kw, **variant)
-        ref = moe_decode_pairs_reference(x, ids, fmt=fmt, h_dtype=jnp.bfloat16, **kw,
-                                         **variant)
+        ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
         assert_pairs_close(out, ref, ids, E)
 
 
-@pytest.mark.parametrize("fmt", [FP8, BF16], ids=lambda f: f.value)
+@pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4], ids=lambda f: f.value)
 def test_extra_stack(fmt):
     """A shared expert folded in as expert id E (every token), and routed pairs beside it."""
     kw = arrays(fmt)
     extra_kw = arrays(fmt, e=1, seed=5)
-    extra = ExtraExperts(gate_up=extra_kw["gate_up"], down=extra_kw["down"],
-                         gate_up_scale=extra_kw.get("gate_up_scale"),
-                         down_scale=extra_kw.get("down_scale"))
+    extra = ExtraExperts(**{name: v for name, v in extra_kw.items()
+                            if name not in ("fmt", "block_size")})
     t = 5
     x = x_rows(t)
     ids = jnp.concatenate([routing("random", t, 2), jnp.full((t, 1), E, jnp.int32)], axis=1)
     out = moe_decode_mosaic_pairs(x, ids, interpret=True, extra=extra, **kw)
-    ref = moe_decode_pairs_reference(x, ids[:, :2], fmt=fmt, h_dtype=jnp.bfloat16, **kw)
-    ref_shared = moe_decode_pairs_reference(
-        x, jnp.zeros((t, 1), jnp.int32), fmt=fmt, h_dtype=jnp.bfloat16,
-        **{name: v for name, v in extra_kw.items()})
+    ref = moe_decode_pairs_reference(x, ids[:, :2], h_dtype=jnp.bfloat16, **kw)
+    ref_shared = moe_decode_pairs_reference(x, jnp.zeros((t, 1), jnp.int32),
+                                            h_dtype=jnp.bfloat16, **extra_kw)
     assert_pairs_close(out[:, :2], ref, ids[:, :2], E)
     assert_pairs_close(out[:, 2:], ref_shared, jnp.zeros((t, 1), jnp.int32), 1)
     with pytest.raises(ValueError, match="biases"):
@@ -219,6 +248,9 @@ LAYER = dict(hidden_size=128, intermediate_size=64)
     ("gpt_oss", Format.FP8_BLOCK, 5),  # interleaved, biases, clamped activation
     ("deepseek_v3", Format.FP8_BLOCK, 4),  # the shared expert folds into the launches
     ("longcat", Format.BF16, 6),  # zero experts
+    ("qwen3", Format.NVFP4, 3),
+    ("deepseek_v3", Format.NVFP4, 4),  # a folded NVFP4 shared expert: its own global scales
+    ("gpt_oss", Format.MXFP4, 5),
 ])
 def test_moe_forward_mosaic_equals_triton_and_xla(name, fmt, tokens):
     shared = dict(shared_intermediate_size=64) if name == "deepseek_v3" else {}
@@ -233,8 +265,8 @@ def test_moe_forward_mosaic_equals_triton_and_xla(name, fmt, tokens):
 
 
 def test_decode_kernel_choice_and_errors(monkeypatch):
-    """"auto" takes Mosaic GPU for FP8 W8A16 on sm_90 only; "mosaic" raises naming the reason
-    for what it cannot run."""
+    """"auto" takes Mosaic GPU for FP8 W8A16 on sm_90 only (FP4 on Mosaic GPU is opt-in until
+    it is timed); "mosaic" raises naming the reason for what it cannot run."""
     from pallas_kernels import grouped_matmul as gm
 
     fp8 = _make(name="qwen3", fmt=Format.FP8_BLOCK, dtype=jnp.bfloat16, **LAYER)
@@ -253,11 +285,11 @@ def test_decode_kernel_choice_and_errors(monkeypatch):
     assert not use(fp8, auto, cc=(10, 0))
     assert not use(fp8, TRITON)
     assert use(bf16, MOSAIC)
+    nvfp4 = _make(name="qwen3", fmt=Format.NVFP4, dtype=jnp.bfloat16, **LAYER)
+    assert not use(nvfp4, auto)
+    assert use(nvfp4, MOSAIC)
     monkeypatch.undo()
 
-    nvfp4 = _make(name="qwen3", fmt=Format.NVFP4, dtype=jnp.bfloat16, **LAYER)
-    with pytest.raises(NotImplementedError, match="BF16 or FP8_BLOCK"):
-        aj.moe_forward(nvfp4, x, kernels=MOSAIC)
     w8a8 = _make(name="qwen3", fmt=Format.FP8_BLOCK, dtype=jnp.bfloat16, **LAYER,
                  gate_up_act_quant="fp8")
     with pytest.raises(NotImplementedError, match="W8A8"):
@@ -283,26 +315,44 @@ class TestLowersForHopper:
         (FP8, 1536, 2048),  # Qwen3-30B-A3B gate_up
         (FP8, 2880, 2880),  # gpt-oss-120b down: 64-wide K steps
         (BF16, 2048, 768),  # Qwen3-30B-A3B down
+        (NVFP4, 1536, 2048),
+        (NVFP4, 2048, 768),
+        (MXFP4, 5760, 2880),  # gpt-oss-120b gate_up
     ], ids=lambda v: getattr(v, "value", v))
     def test_lowers(self, fmt, n, k):
+        """Main stack and a folded one-expert extra stack, as the decode step launches them."""
         p, e = 64, 8
-        w_dtype = jnp.float8_e4m3fn if fmt is FP8 else jnp.bfloat16
-        a_dtype = jnp.float16 if fmt is FP8 else jnp.bfloat16
-        args = [jax.ShapeDtypeStruct((3, e + p // ROWS), jnp.int32),
-                jax.ShapeDtypeStruct((window_rows(p), k), a_dtype),
-                jax.ShapeDtypeStruct((e, n, k), w_dtype)]
-        block = (128, 128) if fmt is FP8 else None
-        scale = [jax.ShapeDtypeStruct((e, -(-n // 128), -(-k // 128)), jnp.float32)]
-        extra = [jax.ShapeDtypeStruct((1, n, k), w_dtype)]  # a folded shared expert
-        if block:
-            args += scale + extra + [jax.ShapeDtypeStruct((1, *scale[0].shape[1:]),
-                                                          jnp.float32)]
-        else:
-            args += extra
+        name = format_name(fmt, None)
+        w_dtype = {FP8: jnp.float8_e4m3fn, BF16: jnp.bfloat16}.get(fmt, jnp.uint8)
+        kw_ = k // 2 if fmt in FP4 else k
+        a_cols = 2 * k if fmt is NVFP4 else k
 
-        def f(work, a, w, *rest):
-            scale, xw, xs = rest if block else (None, *rest, None)
-            return slot_matmul(work, a, w, scale, (xw, xs), fp8_block=block,
+        def stack(g):  # (w, scale, global_scale) shapes of a stack of g experts
+            match fmt:
+                case WeightFormat.FP8_BLOCK:
+                    scale = ((g, -(-n // 128), -(-k // 128)), jnp.float32)
+                case WeightFormat.NVFP4:
+                    scale = ((g, n, k // 16), jnp.float8_e4m3fn)
+                case WeightFormat.MXFP4:
+                    scale = ((g, n, k // 32), jnp.uint8)
+                case _:
+                    scale = None
+            glob = ((g, 2), jnp.float32) if fmt is NVFP4 else None
+            return [jax.ShapeDtypeStruct((g, n, kw_), w_dtype)] + [
+                jax.ShapeDtypeStruct(*v) for v in (scale, glob) if v is not None]
+
+        main, extra = stack(e), stack(1)
+        args = [jax.ShapeDtypeStruct((3, e + p // ROWS), jnp.int32),
+                jax.ShapeDtypeStruct((window_rows(p), a_cols),
+                                     jnp.bfloat16 if fmt is BF16 else jnp.float16),
+                *main, *extra]
+
+        def f(work, a, *arrays):
+            main_, extra_ = arrays[:len(main)], arrays[len(main):]
+            pad = (None,) * (3 - len(main))
+            w, scale, glob = (*main_, *pad)
+            return slot_matmul(work, a, w, scale, (*extra_, *pad), glob, fmt=name,
+                               fp8_block=(128, 128) if fmt is FP8 else None,
                                tile=choose_slot_tile(k))
 
         text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
@@ -311,7 +361,7 @@ class TestLowersForHopper:
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
 @pytest.mark.parametrize("t", [1, 8, 33])
-@pytest.mark.parametrize("fmt", [FP8, BF16], ids=lambda f: f.value)
+@pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4, MXFP4], ids=lambda f: f.value)
 def test_compiled_on_gpu_against_reference(fmt, t):
     """The compiled kernels (weights in registers) against the reference, rows 1e-3 .. 1e3,
     gpt-oss's interleaved, clamped activation with biases, a zero expert, 128 x 128 blocks."""
@@ -325,5 +375,5 @@ def test_compiled_on_gpu_against_reference(fmt, t):
     x = jnp.asarray(x.astype(ml_dtypes.bfloat16))
     variant = dict(activation="gpt_oss", gate_up_layout="interleaved")
     out = moe_decode_mosaic_pairs(x, ids, **kw, **variant)
-    ref = moe_decode_pairs_reference(x, ids, fmt=fmt, h_dtype=jnp.bfloat16, **kw, **variant)
+    ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
     assert_pairs_close(out, ref, ids, e, tol=5e-3)

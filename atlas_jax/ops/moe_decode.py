@@ -11,9 +11,10 @@ them, with no host sync:
 - "pallas" (``pallas_kernels.moe_decode``): expert-major kernels reading each selected expert's
   quantized weights once, dequantizing in registers, with the gate_up epilogue fused.
   ``KernelConfig.decode_kernel`` picks the family: the Triton-lowering kernels (every format),
-  or the Mosaic GPU ones (``pallas_kernels.moe_decode.mosaic``: Hopper, BF16 and FP8 weights,
-  the weight tile as the wgmma's register operand); "auto" takes Mosaic GPU for FP8 W8A16 on
-  sm_90, where it measured 1.2-1.4x faster at 8-64 tokens (H200, benchmarks/RESULTS.md).
+  or the Mosaic GPU ones (``pallas_kernels.moe_decode.mosaic``: Hopper, BF16 / FP8 / NVFP4 /
+  MXFP4 weights, the weight tile as the wgmma's register operand); "auto" takes Mosaic GPU for
+  FP8 W8A16 on sm_90, where it measured 1.2-1.4x faster at 8-64 tokens (H200,
+  benchmarks/RESULTS.md); FP4 on Mosaic GPU is opt-in ("mosaic") until it is timed.
 
 ``extra``: a second expert stack (``(gate_up, down)``, ``[E2, ...]``) whose experts the ids
 ``E .. E + E2 - 1`` name: a model's shared expert folded into the routed step
@@ -111,26 +112,25 @@ def mosaic_unsupported_reason(x: jax.Array, gate_up: QTensor, down: QTensor,
                               gate_up_act_quant: ActQuant = ActQuant.NONE,
                               down_act_quant: ActQuant = ActQuant.NONE) -> str | None:
     """Why the Mosaic GPU decode kernels cannot run this call, or None when they can."""
-    from pallas_kernels.moe_decode.mosaic import choose_slot_tile
+    from pallas_kernels.moe_decode.mosaic import choose_slot_tile, format_name
     from pallas_kernels.moe_decode.mosaic import unsupported_reason as slot_reason
 
     reason = unsupported_reason(gate_up, down)
     if reason is not None:
         return reason
-    if gate_up.format not in (Format.BF16, Format.FP8_BLOCK):
-        return (f"the Mosaic GPU decode kernels take BF16 or FP8_BLOCK weights, got "
-                f"{gate_up.format.value}")
     if gate_up_act_quant is not ActQuant.NONE or down_act_quant is not ActQuant.NONE:
         return "W8A8 activations run on the Triton decode kernels only"
     if compute_dtype(x) != jnp.bfloat16:
         return f"x: the Mosaic GPU decode kernels take bf16 activations, got {x.dtype}"
-    fp8 = gate_up.format is Format.FP8_BLOCK
-    a_dtype = jnp.float16 if fp8 else jnp.bfloat16
+    fmt = format_name(gate_up.format.value, gate_up.data.dtype)
     for name, w in (("gate_up", gate_up), ("down", down)):
         n, k = w.shape[1:]
-        reason = slot_reason(w.data.dtype, a_dtype, n, k,
-                             fp8_block=tuple(w.block) if fp8 else None,
-                             tile=choose_slot_tile(k))
+        rows = None
+        if w.global_scale is not None:  # NVFP4 row segments
+            rows = n // w.global_scale.reshape(w.shape[0], -1).shape[1]
+        reason = slot_reason(fmt, w.data.dtype, n, k,
+                             fp8_block=tuple(w.block) if fmt == "fp8" else None,
+                             global_rows=rows, tile=choose_slot_tile(k))
         if reason is not None:
             return f"{name}: {reason}"
     return None
@@ -163,15 +163,17 @@ def _moe_decode_mosaic(x, expert_ids, gate_up: QTensor, down: QTensor, gate_up_b
     reason = mosaic_unsupported_reason(x, gate_up, down, **quant)
     if reason is not None:
         raise NotImplementedError(f"moe_decode (decode_kernel='mosaic'): {reason}")
-    kw = dict(activation=epilogue.activation.value, gate_up_layout=epilogue.layout.value,
-              limit=epilogue.limit, interpret=interpret_mode())
+    kw = dict(fmt=gate_up.format.value, activation=epilogue.activation.value,
+              gate_up_layout=epilogue.layout.value, limit=epilogue.limit,
+              interpret=interpret_mode(), gate_up_scale=gate_up.scale, down_scale=down.scale,
+              gate_up_global_scale=gate_up.global_scale, down_global_scale=down.global_scale)
     if gate_up.format is Format.FP8_BLOCK:
-        kw.update(block_size=tuple(gate_up.block), gate_up_scale=gate_up.scale,
-                  down_scale=down.scale)
+        kw["block_size"] = tuple(gate_up.block)
     if extra is not None:
         xg, xd = extra
         kw["extra"] = ExtraExperts(gate_up=xg.data, down=xd.data, gate_up_scale=xg.scale,
-                                   down_scale=xd.scale)
+                                   down_scale=xd.scale, gate_up_global_scale=xg.global_scale,
+                                   down_global_scale=xd.global_scale)
     return moe_decode_mosaic_pairs(
         x.astype(jnp.bfloat16), expert_ids.astype(jnp.int32), gate_up.data, down.data,
         gate_up_bias=gate_up_bias, down_bias=down_bias, **kw)

@@ -1,5 +1,5 @@
 """MoE decode expert matmul on the Mosaic GPU Pallas backend (Hopper, sm_90): the weight tile
-as the wgmma's A operand in registers.
+as the wgmma's A operand in registers (BF16, FP8 block, NVFP4, MXFP4 weights).
 
 Why. The Triton decode kernels (``kernel.py``) dequantize the FP8 weight tile and hand it to
 ``tl.dot``; Triton's layouts send the converted tile through shared memory a second time (or
@@ -30,6 +30,17 @@ Formats: FP8_BLOCK (e4m3 weights, f32 block scales ``[E, cdiv(N, b0), cdiv(K, b1
 step's partial is multiplied by its block scale; 64 divides ``b0`` and ``block_k`` divides
 ``b1``) with f16 activations scaled per row by a power of two into f16 range (exact for bf16
 inputs, as the Triton kernels' ``f16_dot`` route), and BF16 weights with bf16 activations.
+NVFP4 and MXFP4 (``[E, N, K/2]`` u8 codes, low nibble = even k): per 16-byte chunk of codes
+(32 K columns), the low and the high nibbles become two f16 A operands by bit placement
+(``e2m1 * 2^-14``, exact), each dotted (K = 16) with the chunk's even / odd activation columns
+into the accumulator of its scale group; each group's f32 partial is multiplied by that
+group's scale per weight row (e4m3 -> f32, or E8M0 -> 2^(s-127), read from global memory one
+step ahead) and the accumulator by ``2^14`` times the NVFP4 global scale at the end. An MXFP4
+chunk is one scale group; an NVFP4 chunk holds two, so its activations are expanded
+(``expand_fp4_activations``) with zeros in each group's operand where the other group's
+columns are. The codes keep the checkpoint's layout; only the (small) activations are
+reordered. FP4 on Mosaic GPU is lowered and checked (interpreter, ``jax.export`` for sm_90)
+but not yet timed on a GPU: ``KernelConfig.decode_kernel="auto"`` does not pick it.
 
 The full decode step (``moe_decode_mosaic_pairs``): plan -> work items -> x rows gathered in
 sorted order and scaled (XLA) -> gate_up launch -> activation, h rows scaled (XLA) -> down
@@ -47,8 +58,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout
-from pallas_kernels.grouped_matmul.reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, rounded
+from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout, WeightFormat
+from pallas_kernels.grouped_matmul.reference import (
+    GPT_OSS_ALPHA,
+    GPT_OSS_LIMIT,
+    dequantize_weights,
+    rounded,
+)
 from pallas_kernels.moe_decode.kernel import (
     DecodePlan,
     ExtraExperts,
@@ -98,23 +114,32 @@ def _transforms(row_bytes: int, itemsize: int):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def _stack_size(fmt: str) -> int:
+    """Arrays per weight stack: w, then scale (FP8, NVFP4, MXFP4), then global scale (NVFP4)."""
+    return {"bf16": 1, "fp8": 2, "mxfp4": 2, "nvfp4": 3}[fmt]
+
+
 def _kernel(
     work_gmem,  # [3, W] int32: expert id (>= E + E2: unused item), first sorted row, row count
-    a_gmem,  # [R, K] f16 | bf16: activations in sorted-row order (R >= window_rows(P))
-    *rest,  # per stack (main, [extra]): w [E, N, K] e4m3 | bf16 | f16, [scale [E, cdiv(N,
-    #   b0), cdiv(K, b1)] f32]; then out [P, N] f32, o_smem [WINDOW, bn] f32, [w_stage
-    #   [bn, bk] (interpret mode)]
+    a_gmem,  # [R, Ka] f16 | bf16: activations in sorted-row order (R >= window_rows(P)); Ka =
+    #   K, or FP4: K (MXFP4) | 2K (NVFP4) in the expanded order of ``expand_fp4_activations``
+    *rest,  # per stack (main, [extra]): w [E, N, K] e4m3 | bf16 | f16, or [E, N, K/2] u8
+    #   (FP4); FP8: scale [E, cdiv(N, b0), cdiv(K, b1)] f32; NVFP4: scale [E, N, K/16] e4m3,
+    #   global [E, R] f32; MXFP4: scale [E, N, K/32] u8. Then out [R, N] f32, o_smem
+    #   [WINDOW, bn] f32, [w_stage (interpret mode): [bn, bk] (8 / 16 bit) | 2 x [bn, 16]]
     tile: SlotTile,
+    fmt: str,  # "bf16" | "fp8" | "nvfp4" | "mxfp4"
     fp8_block: tuple[int, int] | None,
+    global_rows: int,  # NVFP4: rows sharing one global scale
+    k: int,  # the contraction length (unpacked)
     num_stacks: int,
     stage_w: bool,
 ):
-    per_stack = 1 if fp8_block is None else 2
+    per_stack = _stack_size(fmt)
     stacks = [rest[i * per_stack:(i + 1) * per_stack] for i in range(num_stacks)]
     o_gmem, o_smem, *w_stage = rest[num_stacks * per_stack:]
     w_dtype = stacks[0][0].dtype
     bn, bk = tile.block_n, tile.block_k
-    k = a_gmem.shape[-1]
     u, nt = lax.axis_index("w"), lax.axis_index("n")
     e = work_gmem[0, u]
     start = work_gmem[1, u]
@@ -134,13 +159,25 @@ def _kernel(
             w = w_stage[0]
         return w
 
-    w_spec = plgpu.BlockSpec((bn, bk), lambda kb: (0, kb),
-                             transforms=_transforms(bk * w_dtype.itemsize, w_dtype.itemsize))
-    # 16-bit weights: the wgmma of step kb still reads its activation tile while step kb + 1
-    # runs (delay_release), each step waits only for the one before.
-    a_spec = plgpu.BlockSpec((WINDOW, bk), lambda kb: (0, kb),
-                             transforms=_transforms(bk * a_dtype.itemsize, a_dtype.itemsize),
-                             delay_release=0 if fp8_block else 1)
+    fp4 = fmt in ("nvfp4", "mxfp4")
+    if fp4:
+        # 16-byte column slices of both tiles: codes unswizzled in 16-byte tiles, activations
+        # with the 32-byte swizzle (16 f16 a row of a tile)
+        a_cols = bk * (2 if fmt == "nvfp4" else 1)
+        w_spec = plgpu.BlockSpec((bn, bk // 2), lambda kb: (0, kb),
+                                 transforms=(plgpu.TilingTransform((8, 16)),))
+        a_spec = plgpu.BlockSpec((WINDOW, a_cols), lambda kb: (0, kb),
+                                 transforms=_transforms(32, 2))
+    else:
+        w_spec = plgpu.BlockSpec((bn, bk), lambda kb: (0, kb),
+                                 transforms=_transforms(bk * w_dtype.itemsize,
+                                                        w_dtype.itemsize))
+        # 16-bit weights: the wgmma of step kb still reads its activation tile while step
+        # kb + 1 runs (delay_release), each step waits only for the one before.
+        a_spec = plgpu.BlockSpec((WINDOW, bk), lambda kb: (0, kb),
+                                 transforms=_transforms(bk * a_dtype.itemsize,
+                                                        a_dtype.itemsize),
+                                 delay_release=1 if fmt == "bf16" else 0)
 
     def scaled_steps(w_tile, a_tile, scale_ref, e):
         """FP8: each step's partial (its own accumulator) times the step's block scale, the
@@ -172,6 +209,79 @@ def _kernel(
             max_concurrent_steps=tile.num_stages, init_carry=(zeros, scale_of(0)),
         )(w_tile, a_tile)
         return acc
+
+    def fp4_operands(w_smem, c):
+        """Chunk ``c`` (16 bytes a row: 32 K columns) of the code tile as two wgmma A operands
+        [bn, 16] f16: the low nibbles (even k) and the high ones (odd k), each code placed in
+        an f16's bits as ``e2m1 * 2^-14`` (sign to bit 15, the three magnitude bits to 11-9:
+        exact; the 2^14 is multiplied back into the accumulator)."""
+        codes = w_smem.at[:, pl.ds(16 * c, 16)][...].astype(jnp.uint16)
+        out = []
+        for i, v in enumerate((codes & 0xF, codes >> 4)):
+            f = lax.bitcast_convert_type(((v & 7) << 9) | ((v & 8) << 12), jnp.float16)
+            if stage_w:  # the interpreter's wgmma reads A from SMEM only
+                w_stage[i][...] = f
+                plgpu.commit_smem()
+                f = w_stage[i]
+            out.append(f)
+        return out
+
+    def fp4_steps(w_tile, a_tile, scale_ref, global_ref, e):
+        """NVFP4 / MXFP4: per 16-byte chunk of a step, two wgmmas (K = 16, low and high
+        nibbles) per scale group into that group's accumulator, then each group's partial
+        times its scales (one per weight row: a [bn] vector broadcast along the rows'
+        activations), the scales of step kb + 1 loaded during step kb. A chunk is one MXFP4
+        group (32 K columns); for NVFP4 it holds two (16 each), and the expanded activations
+        zero the other group's K columns in each group's operand."""
+        groups_per_chunk = 2 if fmt == "nvfp4" else 1
+        chunks = bk // 32
+        per_step = chunks * groups_per_chunk
+        num_steps = k // bk
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+        def scales_of(kb):
+            kb = jnp.minimum(kb, num_steps - 1)
+            out = []
+            for g in range(per_step):
+                s = plgpu.load(scale_ref.at[e, pl.ds(n0, bn), kb * per_step + g],
+                               layout=row_layout, optimized=False)  # [bn], strided
+                if fmt == "nvfp4":
+                    out.append(s.astype(jnp.float16).astype(jnp.float32))
+                else:  # E8M0 -> 2^(s - 127) (s = 0 gives 0, as _dequant.e8m0_to_f32)
+                    out.append(lax.bitcast_convert_type(s.astype(jnp.uint32) << 23,
+                                                        jnp.float32))
+            return tuple(out)
+
+        def step(idx, w_smem, a_smem, carry):
+            (kb,) = idx
+            acc, scales = carry
+            scales_next = scales_of(kb + 1)
+
+            def mma(*parts):
+                for c in range(chunks):
+                    lo, hi = fp4_operands(w_smem, c)
+                    for j in range(groups_per_chunk):
+                        g = c * groups_per_chunk + j
+                        for half, a_op in enumerate((lo, hi)):
+                            cols = a_smem.at[:, pl.ds(32 * g + 16 * half, 16)]
+                            plgpu.wgmma(parts[g], a_op, cols.transpose((1, 0)))
+                return tuple(part[...] for part in parts)
+
+            parts = pl.run_scoped(mma, *[plgpu.ACC((bn, WINDOW), jnp.float32)
+                                         for _ in range(per_step)])
+            for part, sv in zip(parts, scales, strict=True):
+                acc = acc + part * lax.broadcast_in_dim(sv, (bn, WINDOW), [0])
+            return acc, scales_next
+
+        zeros = plgpu.layout_cast(jnp.zeros((bn, WINDOW), jnp.float32), plgpu.Layout.WGMMA)
+        acc, _ = plgpu.emit_pipeline(
+            step, grid=(num_steps,), in_specs=[w_spec, a_spec],
+            max_concurrent_steps=tile.num_stages, init_carry=(zeros, scales_of(0)),
+        )(w_tile, a_tile)
+        factor = jnp.float32(2.0 ** 14)  # undoes the codes' placement as e2m1 * 2^-14
+        if global_ref is not None:
+            factor = factor * global_ref[e, lax.div(n0, global_rows)]
+        return acc * factor
 
     def plain_steps(w_tile, a_tile):
         """16-bit weights: one accumulator, wgmma kept in flight across steps."""
@@ -205,14 +315,18 @@ def _kernel(
             done = done + (num_rows & size)
             size //= 2
 
-    def run(w_gmem, *scale, e):
+    def run(w_gmem, *scales, e):
         """This item's rows through expert ``e`` of one stack, stored."""
         w_tile = w_gmem.at[e, pl.ds(n0, bn)]
         a_tile = a_gmem.at[pl.ds(row0, WINDOW)]
-        if fp8_block is None:
-            acc = plain_steps(w_tile, a_tile)  # [bn, WINDOW]
-        else:
-            acc = scaled_steps(w_tile, a_tile, scale[0], e)
+        match fmt:  # acc [bn, WINDOW]
+            case "bf16":
+                acc = plain_steps(w_tile, a_tile)
+            case "fp8":
+                acc = scaled_steps(w_tile, a_tile, scales[0], e)
+            case _:
+                acc = fp4_steps(w_tile, a_tile, scales[0],
+                                scales[1] if fmt == "nvfp4" else None, e)
         # o_smem[r, n] = acc[n, r]: the accumulator stored transposed
         o_smem.transpose((1, 0))[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
         plgpu.commit_smem()
@@ -231,39 +345,72 @@ def _kernel(
             run(*stacks[1], e=e - main_experts)
 
 
-def unsupported_reason(w_dtype, a_dtype, n: int, k: int, *,
-                       fp8_block: tuple[int, int] | None, tile: SlotTile) -> str | None:
-    """Why ``slot_matmul`` cannot run this problem, or None."""
-    w_dtype, a_dtype = jnp.dtype(w_dtype), jnp.dtype(a_dtype)
-    if w_dtype not in [jnp.dtype(d) for d in _WEIGHT_DTYPES]:
-        return f"w: dtype {w_dtype} not supported (e4m3, bf16, f16)"
-    want = jnp.dtype(jnp.bfloat16) if w_dtype == jnp.bfloat16 else jnp.dtype(jnp.float16)
-    if a_dtype != want:
-        return f"a: expected dtype {want} for {w_dtype} weights, got {a_dtype}"
-    if (fp8_block is not None) != (w_dtype == jnp.float8_e4m3fn):
-        return "scale: FP8 weights take block scales, 16-bit weights none"
+FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
+_W_DTYPE = {"bf16": (jnp.bfloat16, jnp.float16), "fp8": (jnp.float8_e4m3fn,),
+            "nvfp4": (jnp.uint8,), "mxfp4": (jnp.uint8,)}
+
+
+def activation_dtype(fmt: str, w_dtype) -> jnp.dtype:
+    """The activations' dtype for weights of ``fmt``: the 16-bit weights' own, else f16."""
+    return jnp.dtype(w_dtype) if fmt == "bf16" else jnp.dtype(jnp.float16)
+
+
+def unsupported_reason(fmt: str, w_dtype, n: int, k: int, *,
+                       fp8_block: tuple[int, int] | None = None, global_rows: int | None = None,
+                       tile: SlotTile) -> str | None:
+    """Why ``slot_matmul`` cannot run weights of format ``fmt`` (``FORMATS``) and logical
+    shape ``[N, K]``, or None."""
+    if fmt not in FORMATS:
+        return f"fmt: expected one of {FORMATS}, got {fmt!r}"
+    w_dtype = jnp.dtype(w_dtype)
+    if w_dtype not in [jnp.dtype(d) for d in _W_DTYPE[fmt]]:
+        return f"w: dtype {w_dtype} is not {fmt} data"
     if k % tile.block_k:
         return f"w: K={k} must be a multiple of block_k={tile.block_k}"
     if n % tile.block_n:
         return f"w: N={n} must be a multiple of block_n={tile.block_n}"
+    if (fp8_block is not None) != (fmt == "fp8"):
+        return "fp8_block: FP8 weights take block scales, other formats none"
     if fp8_block is not None:
         b0, b1 = fp8_block
         if b0 % tile.block_n or b1 % tile.block_k:
             return (f"scale: the FP8 block {fp8_block} must be a multiple of "
                     f"(block_n, block_k) = ({tile.block_n}, {tile.block_k})")
+    if fmt == "nvfp4" and (global_rows is None or global_rows % tile.block_n):
+        return (f"global_scale: NVFP4 row segments of {global_rows} rows must be a multiple of "
+                f"block_n={tile.block_n} (one global scale a program)")
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("fp8_block", "tile", "interpret"))
+def expand_fp4_activations(a: jax.Array, fmt: str) -> jax.Array:
+    """``a [R, K]`` -> the FP4 kernels' activation order: per 32 K columns (one 16-byte chunk
+    of codes), MXFP4 ``[even 16 | odd 16]`` (the low and high nibbles' columns); NVFP4, whose
+    chunk holds two scale groups of 16, 64 columns: the first group's even and odd columns
+    each followed by 8 zeros, then 8 zeros before each of the second group's, so that each
+    group's wgmma sees only its own columns. ``[R, K]`` (MXFP4) | ``[R, 2K]`` (NVFP4)."""
+    r, k = a.shape
+    pairs = jnp.swapaxes(a.reshape(r, k // 32, 2, 8, 2), -1, -2)  # [R, C, group, parity, 8]
+    if fmt == "mxfp4":  # [R, C, parity, group, 8] -> even 16 | odd 16
+        return jnp.swapaxes(pairs, 2, 3).reshape(r, k)
+    zeros = jnp.zeros_like(pairs[:, :, :1])
+    first = jnp.concatenate([pairs[:, :, :1], zeros], axis=-1)  # [R, C, 1, 2, 16]
+    second = jnp.concatenate([zeros, pairs[:, :, 1:]], axis=-1)
+    return jnp.concatenate([first, second], axis=2).reshape(r, 2 * k)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "fp8_block", "tile", "interpret"))
 def slot_matmul(
     work: jax.Array,  # [3, W] int32: expert (>= E: unused), first sorted row, row count <= 16
-    a: jax.Array,  # [R, K] f16 (bf16 with bf16 weights), sorted rows; R >= window_rows(P)
-    #   for items over the rows [0, P)
-    w: jax.Array,  # [E, N, K] e4m3 | bf16 | f16
-    scale: jax.Array | None = None,  # FP8: [E, cdiv(N, b0), cdiv(K, b1)] f32
-    extra: tuple[jax.Array, jax.Array | None] | None = None,  # (w, scale) [E2, ...] likewise:
+    a: jax.Array,  # [R, Ka] (activation_dtype), sorted rows; R >= window_rows(P) for items
+    #   over the rows [0, P); Ka = K, FP4: expand_fp4_activations' [R, K] | [R, 2K]
+    w: jax.Array,  # [E, N, K] e4m3 | bf16 | f16, or FP4 codes [E, N, K/2] u8
+    scale: jax.Array | None = None,  # FP8: [E, cdiv(N, b0), cdiv(K, b1)] f32; NVFP4:
+    #   [E, N, K/16] e4m3; MXFP4: [E, N, K/32] u8 (E8M0)
+    extra: tuple | None = None,  # (w, scale, global_scale) of a second stack [E2, ...] likewise:
     #   expert ids E .. E + E2 - 1
+    global_scale: jax.Array | None = None,  # NVFP4: [E, R] f32, row n uses segment n // (N // R)
     *,
+    fmt: str | None = None,  # FORMATS; None: from w's dtype (e4m3: fp8, 16-bit: bf16)
     fp8_block: tuple[int, int] | None = None,
     tile: SlotTile = SlotTile(),
     interpret: bool = False,
@@ -272,46 +419,80 @@ def slot_matmul(
     docstring; rows no item owns are not written). Items own rows below ``P`` where ``R >=
     window_rows(P)`` (every item's window inside ``a``: the caller's contract, data-dependent).
     ``interpret=True`` runs the Mosaic GPU interpreter (CPU tests)."""
-    if a.ndim != 2:
-        raise ValueError(f"a: expected rank 2 [R, K], got shape {a.shape}")
-    rows_a, k = a.shape
-    if rows_a < WINDOW:
-        raise ValueError(f"a: expected at least {WINDOW} rows (one window), got {rows_a}")
-    if w.ndim != 3 or w.shape[2] != k:
-        raise ValueError(f"w: expected shape [E, N, {k}], got {w.shape}")
+    if a.ndim != 2 or w.ndim != 3:
+        raise ValueError(f"a, w: expected ranks 2 and 3, got shapes {a.shape}, {w.shape}")
     if work.ndim != 2 or work.shape[0] != 3:
         raise ValueError(f"work: expected shape (3, W), got {work.shape}")
-    _, n, _ = w.shape
-    reason = unsupported_reason(w.dtype, a.dtype, n, k, fp8_block=fp8_block, tile=tile)
+    rows_a = a.shape[0]
+    if rows_a < WINDOW:
+        raise ValueError(f"a: expected at least {WINDOW} rows (one window), got {rows_a}")
+    fmt = format_name(fmt, w.dtype) if fmt not in FORMATS else fmt
+    fp4 = fmt in ("nvfp4", "mxfp4")
+    _, n, k = w.shape
+    k = 2 * k if fp4 else k
+    global_rows = None
+    if fmt == "nvfp4":
+        if global_scale is None:
+            raise ValueError("global_scale: NVFP4 needs [E, R] f32 global scales")
+        global_rows = n // global_scale.reshape(w.shape[0], -1).shape[1]
+    reason = unsupported_reason(fmt, w.dtype, n, k, fp8_block=fp8_block,
+                                global_rows=global_rows, tile=tile)
     if reason:
         raise NotImplementedError(reason)
-    stacks = [("", w, scale)] + ([("extra_", *extra)] if extra is not None else [])
+    want_a = (rows_a, k * (2 if fmt == "nvfp4" else 1))
+    if a.shape != want_a or a.dtype != activation_dtype(fmt, w.dtype):
+        raise ValueError(f"a: expected {want_a} {activation_dtype(fmt, w.dtype)}, got "
+                         f"{a.shape} {a.dtype}")
+
+    def scale_shape(e):
+        match fmt:
+            case "fp8":
+                return (e, pl.cdiv(n, fp8_block[0]), pl.cdiv(k, fp8_block[1])), jnp.float32
+            case "nvfp4":
+                return (e, n, k // 16), jnp.float8_e4m3fn
+            case "mxfp4":
+                return (e, n, k // 32), jnp.uint8
+        return None, None
+
+    stacks = [("", (w, scale, global_scale))]
+    if extra is not None:
+        stacks.append(("extra_", tuple(extra) + (None,) * (3 - len(extra))))
     operands = []
-    for prefix, ws, ss in stacks:
-        if ws.ndim != 3 or ws.shape[1:] != (n, k) or ws.dtype != w.dtype:
-            raise ValueError(f"{prefix}w: expected [E, {n}, {k}] {w.dtype}, got {ws.shape} "
-                             f"{ws.dtype}")
+    for prefix, (ws, ss, gs) in stacks:
+        if ws.ndim != 3 or ws.shape[1:] != w.shape[1:] or ws.dtype != w.dtype:
+            raise ValueError(f"{prefix}w: expected [E, {n}, {w.shape[2]}] {w.dtype}, got "
+                             f"{ws.shape} {ws.dtype}")
         operands.append(ws)
-        if fp8_block is None:
+        want, dtype = scale_shape(ws.shape[0])
+        if want is None:
             if ss is not None:
                 raise ValueError(f"{prefix}scale: 16-bit weights take no scale")
             continue
-        b0, b1 = fp8_block
-        want = (ws.shape[0], pl.cdiv(n, b0), pl.cdiv(k, b1))
-        if ss is None or ss.shape != want:
-            raise ValueError(f"{prefix}scale: expected shape {want}, got "
-                             f"{None if ss is None else ss.shape}")
-        operands.append(ss.astype(jnp.float32))
+        if ss is None or ss.shape != want or (fp4 and ss.dtype != dtype):
+            raise ValueError(f"{prefix}scale: expected {want} {jnp.dtype(dtype)}, got "
+                             f"{None if ss is None else (ss.shape, ss.dtype)}")
+        operands.append(ss.astype(dtype))
+        if fmt == "nvfp4":
+            if gs is None or gs.reshape(ws.shape[0], -1).shape[1] != n // global_rows:
+                raise ValueError(f"{prefix}global_scale: expected [{ws.shape[0]}, "
+                                 f"{n // global_rows}] f32")
+            operands.append(gs.reshape(ws.shape[0], -1).astype(jnp.float32))
+    bn, bk = tile.block_n, tile.block_k
+    if not interpret:
+        stage = []
+    elif fp4:
+        stage = [plgpu.SMEM((bn, 16), jnp.float16, transforms=_transforms(32, 2))] * 2
+    else:
+        stage = [plgpu.SMEM((bn, bk), a.dtype,
+                            transforms=_transforms(bk * a.dtype.itemsize, a.dtype.itemsize))]
     kernel = plgpu.kernel(
-        functools.partial(_kernel, tile=tile, fp8_block=fp8_block, num_stacks=len(stacks),
+        functools.partial(_kernel, tile=tile, fmt=fmt, fp8_block=fp8_block,
+                          global_rows=global_rows or 0, k=k, num_stacks=len(stacks),
                           stage_w=interpret),
         out_type=jax.ShapeDtypeStruct((rows_a, n), jnp.float32),
-        grid=(work.shape[1], n // tile.block_n),
+        grid=(work.shape[1], n // bn),
         grid_names=("w", "n"),
-        scratch_types=[plgpu.SMEM((WINDOW, tile.block_n), jnp.float32)] + (
-            [plgpu.SMEM((tile.block_n, tile.block_k), a.dtype,
-                        transforms=_transforms(tile.block_k * a.dtype.itemsize,
-                                               a.dtype.itemsize))] if interpret else []),
+        scratch_types=[plgpu.SMEM((WINDOW, bn), jnp.float32)] + stage,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -319,21 +500,37 @@ def slot_matmul(
     return kernel(work, a, *operands)
 
 
-def slot_matmul_reference(work, a, w, scale=None, *, fp8_block=None) -> jax.Array:
-    """Plain jnp: ``[R, N]`` f32, every row of every item (rows no item owns: 0)."""
-    wf = w.astype(jnp.float32)
-    if fp8_block is not None:
-        b0, b1 = fp8_block
-        s = jnp.repeat(jnp.repeat(scale, b0, axis=1), b1, axis=2)[:, :w.shape[1], :w.shape[2]]
-        wf = wf * s
+def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, fmt: str | None = None,
+                          fp8_block=None) -> jax.Array:
+    """Plain jnp: ``[R, N]`` f32, every row of every item (rows no item owns: 0); ``a`` as
+    ``slot_matmul`` takes it (FP4: in the expanded order)."""
+    fmt = format_name(fmt, w.dtype) if fmt not in FORMATS else fmt
+    wfmt = {name: f for f, name in _FMT_NAMES.items()}[fmt]
+    wf = dequantize_weights(w, wfmt, scale=scale, global_scale=global_scale,
+                            block_size=fp8_block or (128, 128))  # [E, N, K] f32
+    af = a.astype(jnp.float32)
+    if fmt in ("nvfp4", "mxfp4"):  # back to the natural K order (the zeros drop out)
+        af = _natural_order(af, fmt)
     r = jnp.arange(a.shape[0], dtype=jnp.int32)
     expert, start, count = work
-    owner = (r[:, None] >= start[None, :]) & (r[:, None] < (start + count)[None, :])  # [P, W]
-    e = jnp.sum(jnp.where(owner, expert[None, :], 0), axis=1)  # [P]
+    owner = (r[:, None] >= start[None, :]) & (r[:, None] < (start + count)[None, :])  # [R, W]
+    e = jnp.sum(jnp.where(owner, expert[None, :], 0), axis=1)  # [R]
     owned = jnp.any(owner, axis=1)
-    out = jnp.einsum("pk,pnk->pn", a.astype(jnp.float32),
-                     wf[jnp.clip(e, 0, w.shape[0] - 1)], precision=jax.lax.Precision.HIGHEST)
+    out = jnp.einsum("pk,pnk->pn", af, wf[jnp.clip(e, 0, w.shape[0] - 1)],
+                     precision=jax.lax.Precision.HIGHEST)
     return jnp.where(owned[:, None], out, 0.0)
+
+
+def _natural_order(a: jax.Array, fmt: str) -> jax.Array:
+    """The inverse of ``expand_fp4_activations`` (its zeros dropped)."""
+    r = a.shape[0]
+    if fmt == "mxfp4":
+        k = a.shape[1]
+        return jnp.swapaxes(a.reshape(r, k // 32, 2, 2, 8), 2, 3).swapaxes(-1, -2).reshape(r, k)
+    k = a.shape[1] // 2
+    chunks = a.reshape(r, k // 32, 2, 2, 16)  # [R, C, group, parity, 16]
+    pairs = jnp.stack([chunks[:, :, 0, :, :8], chunks[:, :, 1, :, 8:]], axis=2)  # [R,C,2,2,8]
+    return jnp.swapaxes(pairs, -1, -2).reshape(r, k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,19 +563,37 @@ def _scaled_rows(v):
     return (v.astype(jnp.float32) * up[:, None]).astype(jnp.float16), down[:, None]
 
 
-_MOSAIC_STATIC = ("activation", "gate_up_layout", "limit", "alpha", "block_size", "tile",
+_MOSAIC_STATIC = ("fmt", "activation", "gate_up_layout", "limit", "alpha", "block_size", "tile",
                   "interpret")
+_FMT_NAMES = {WeightFormat.BF16: "bf16", WeightFormat.FP8_BLOCK: "fp8",
+              WeightFormat.NVFP4: "nvfp4", WeightFormat.MXFP4: "mxfp4"}
+
+
+def format_name(fmt: WeightFormat | str | None, w_dtype) -> str:
+    """The kernels' name (``FORMATS``) for ``fmt``, or from the weight dtype where ``fmt`` is
+    None (e4m3: fp8; 16-bit: bf16; uint8 codes are NVFP4 or MXFP4: ``fmt`` must say)."""
+    if fmt is not None:
+        return _FMT_NAMES[WeightFormat.coerce(fmt)]
+    w_dtype = jnp.dtype(w_dtype)
+    if w_dtype == jnp.float8_e4m3fn:
+        return "fp8"
+    if w_dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return "bf16"
+    raise ValueError(f"fmt: {w_dtype} weights need fmt='nvfp4' or 'mxfp4'")
 
 
 @functools.partial(jax.jit, static_argnames=_MOSAIC_STATIC)
 def moe_decode_mosaic_pairs(
     x: jax.Array,  # [T, H] bf16
     expert_ids: jax.Array,  # [T, k] int; outside [0, E): zero expert (skipped)
-    gate_up: jax.Array,  # [E, 2I, H] e4m3 | bf16
-    down: jax.Array,  # [E, H, I] e4m3 | bf16
+    gate_up: jax.Array,  # [E, 2I, H] e4m3 | bf16, or [E, 2I, H/2] u8 (FP4)
+    down: jax.Array,  # [E, H, I] e4m3 | bf16, or [E, H, I/2] u8 (FP4)
     *,
-    gate_up_scale: jax.Array | None = None,  # FP8: [E, cdiv(2I, b0), cdiv(H, b1)] f32
-    down_scale: jax.Array | None = None,  # FP8: [E, cdiv(H, b0), cdiv(I, b1)] f32
+    fmt: WeightFormat | str | None = None,  # None: from the weight dtype (e4m3, 16-bit)
+    gate_up_scale: jax.Array | None = None,  # FP8 scale_inv | NVFP4 e4m3 | MXFP4 u8 (E8M0)
+    gate_up_global_scale: jax.Array | None = None,  # NVFP4 [E, R] or [E] f32
+    down_scale: jax.Array | None = None,
+    down_global_scale: jax.Array | None = None,
     gate_up_bias: jax.Array | None = None,  # [E, 2I]
     down_bias: jax.Array | None = None,  # [E, H]
     activation: Activation | str = Activation.SILU,
@@ -393,7 +608,7 @@ def moe_decode_mosaic_pairs(
     """Routed expert outputs of each (token, slot) pair ``[T, k, H]`` f32 (zero experts: 0),
     as ``kernel.moe_decode_pairs``, through the Mosaic GPU launches (module docstring); h
     between them is rounded to bf16 as there. ``extra`` (the shared expert folded in): same
-    dtype and per-expert shapes, no biases, no global scales."""
+    format and per-expert shapes, no biases."""
     activation = Activation.coerce(activation)
     layout = GateUpLayout.coerce(gate_up_layout)
     if activation is Activation.GPT_OSS and limit is None:
@@ -401,21 +616,23 @@ def moe_decode_mosaic_pairs(
     if x.ndim != 2 or x.dtype != jnp.bfloat16:
         raise NotImplementedError(f"x: the Mosaic decode path takes bf16 [T, H], got "
                                   f"{x.dtype} {x.shape}")
+    fmt = format_name(fmt, gate_up.dtype)
+    packed = 2 if fmt in ("nvfp4", "mxfp4") else 1  # codes a byte
     e, two_i, hidden = gate_up.shape
+    hidden *= packed
     inter = two_i // 2
-    if down.shape != (e, hidden, inter):
-        raise ValueError(f"down: expected shape {(e, hidden, inter)}, got {down.shape}")
-    fp8 = gate_up.dtype == jnp.float8_e4m3fn
-    fp8_block = tuple(block_size) if fp8 else None
+    if down.shape != (e, hidden, inter // packed):
+        raise ValueError(f"down: expected shape {(e, hidden, inter // packed)}, got "
+                         f"{down.shape}")
+    fp8_block = tuple(block_size) if fmt == "fp8" else None
     e_all = e
     if extra is not None:
         if not isinstance(extra, ExtraExperts):
             raise TypeError(f"extra: expected ExtraExperts, got {type(extra).__name__}")
         if gate_up_bias is not None or down_bias is not None:
             raise ValueError("extra: the main stack has biases (the extra stack has none)")
-        if any(v is not None for v in (extra.gate_up_bias, extra.down_bias,
-                                       extra.gate_up_global_scale, extra.down_global_scale)):
-            raise ValueError("extra: biases and global scales are not supported")
+        if extra.gate_up_bias is not None or extra.down_bias is not None:
+            raise ValueError("extra: biases are not supported")
         e_all += extra.gate_up.shape[0]
     plan = make_plan(expert_ids, e_all, pallas=not interpret, interpret=interpret)
     p = plan.token_of_row.shape[0]
@@ -424,21 +641,24 @@ def moe_decode_mosaic_pairs(
     if tile is None:
         tile = (choose_slot_tile(hidden), choose_slot_tile(inter))
 
-    def launch(a, w, scale, extra_stack, tile):
+    def launch(a, w, scale, global_scale, extra_stack, tile):
         """``a [R, K]`` (sorted rows) through one launch: ``[R, N]`` f32 (rows past the items'
         hold garbage: they only meet other garbage rows)."""
-        if fp8:
-            a, unscale = _scaled_rows(a)  # f16 rows, [R, 1]
-        else:
+        if fmt == "bf16":
             a, unscale = a.astype(jnp.bfloat16), None
-        out = slot_matmul(work, a, w, scale, extra_stack, fp8_block=fp8_block, tile=tile,
-                          interpret=interpret)
+        else:
+            a, unscale = _scaled_rows(a)  # f16 rows, [R, 1]
+            if packed == 2:
+                a = expand_fp4_activations(a, fmt)
+        out = slot_matmul(work, a, w, scale, extra_stack, global_scale, fmt=fmt,
+                          fp8_block=fp8_block, tile=tile, interpret=interpret)
         return out if unscale is None else out * unscale
 
     token = jnp.pad(plan.token_of_row, (0, rows - p))  # [R] (extra rows: token 0)
     expert_of_row = plan.work[0][_slot_of_row(plan, rows)]  # [R] (unowned rows: any)
-    xs = None if extra is None else (extra.gate_up, extra.gate_up_scale)
-    gu = launch(x[token], gate_up, gate_up_scale, xs, tile[0])  # [R, 2I]
+    xs = None if extra is None else (extra.gate_up, extra.gate_up_scale,
+                                     extra.gate_up_global_scale)
+    gu = launch(x[token], gate_up, gate_up_scale, gate_up_global_scale, xs, tile[0])  # [R, 2I]
     if gate_up_bias is not None:
         gu = gu + jnp.take(gate_up_bias.astype(jnp.float32), expert_of_row, axis=0,
                            mode="clip")
@@ -449,8 +669,8 @@ def moe_decode_mosaic_pairs(
     # h as the Triton path stores it (bf16); the barrier keeps the rounding under XLA's GPU
     # excess-precision rule (grouped_matmul.reference.rounded)
     h = rounded(_epilogue(gate, up, activation, limit, alpha), jnp.bfloat16)  # [R, I]
-    xs = None if extra is None else (extra.down, extra.down_scale)
-    y = launch(h, down, down_scale, xs, tile[1])  # [R, H]
+    xs = None if extra is None else (extra.down, extra.down_scale, extra.down_global_scale)
+    y = launch(h, down, down_scale, down_global_scale, xs, tile[1])  # [R, H]
     if down_bias is not None:
         y = y + jnp.take(down_bias.astype(jnp.float32), expert_of_row, axis=0, mode="clip")
     return pairs_of(y[None], plan)
