@@ -491,8 +491,12 @@ def main() -> None:
                         help="also time each step on the Triton decode kernels "
                              "(KernelConfig.decode_kernel='triton'; 'auto' takes Mosaic GPU "
                              "for FP8 on sm_90)")
+    parser.add_argument("--decode-kernel", choices=["auto", "triton", "mosaic"], default="auto",
+                        help="KernelConfig.decode_kernel of the timed Pallas steps")
     parser.add_argument("--out", type=Path, help="write the markdown tables here")
     args = parser.parse_args()
+    global PALLAS
+    PALLAS = PALLAS.replace(decode_kernel=args.decode_kernel)
     on_gpu = jax.default_backend() == "gpu"
     if not on_gpu and not args.tiny:
         sys.exit("benchmarks/moe_decode.py needs a GPU (or --tiny for a CPU smoke test)")

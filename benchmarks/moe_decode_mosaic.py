@@ -41,6 +41,7 @@ from pallas_kernels.moe_decode.mosaic import (  # noqa: E402
 )
 
 ROTATE = 8
+WEIGHT_FORMATS = {"fp8": "fp8_block", "bf16": "bf16", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
 
 
 def _layer_args(shape: str, fmt: str):
@@ -48,10 +49,12 @@ def _layer_args(shape: str, fmt: str):
     p = make_layer(shape, fmt)
     cfg = p.config
     arrays = dict(gate_up=p.gate_up.data, down=p.down.data, gate_up_bias=p.gate_up_bias,
-                  down_bias=p.down_bias)
-    static = dict(activation=cfg.activation.value, gate_up_layout=cfg.gate_up_layout.value)
+                  down_bias=p.down_bias, gate_up_scale=p.gate_up.scale, down_scale=p.down.scale,
+                  gate_up_global_scale=p.gate_up.global_scale,
+                  down_global_scale=p.down.global_scale)
+    static = dict(fmt=WEIGHT_FORMATS[fmt], activation=cfg.activation.value,
+                  gate_up_layout=cfg.gate_up_layout.value)
     if fmt == "fp8":
-        arrays.update(gate_up_scale=p.gate_up.scale, down_scale=p.down.scale)
         static["block_size"] = tuple(p.gate_up.block)
     if cfg.activation.value == "gpt_oss":
         static["limit"] = cfg.swiglu_limit
@@ -71,11 +74,9 @@ def _inputs(cfg, tokens: int, n: int = ROTATE):
 
 
 def _steps(fmt: str, static: dict, tiles=None):
-    triton_fmt = "fp8_block" if fmt == "fp8" else "bf16"
-
     def triton(arrays, inp):
         x, ids, w = inp
-        return moe_decode(x, ids, w, fmt=triton_fmt, **arrays, **static)
+        return moe_decode(x, ids, w, **arrays, **static)
 
     def mosaic(arrays, inp):
         x, ids, w = inp
@@ -94,8 +95,7 @@ def check(shapes, formats) -> list[dict]:
             for tokens in (1, 8, 33, 64):
                 inp = _inputs(cfg, tokens, 1)[0]
                 x, ids, w = inp
-                ref = moe_decode_pairs_reference(
-                    x, ids, fmt="fp8_block" if fmt == "fp8" else "bf16", **arrays, **static)
+                ref = moe_decode_pairs_reference(x, ids, **arrays, **static)
                 ref = jnp.sum(w[..., None] * ref, axis=1)
                 out_m = jax.jit(mosaic)(arrays, inp)
                 out_t = jax.jit(triton)(arrays, inp)
@@ -149,7 +149,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b"], choices=list(SHAPES))
-    parser.add_argument("--formats", nargs="+", default=["fp8", "bf16"], choices=["fp8", "bf16"])
+    parser.add_argument("--formats", nargs="+", default=["fp8", "bf16"],
+                        choices=list(WEIGHT_FORMATS))
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64])
     parser.add_argument("--stages", nargs="+", type=int, default=[4])
     parser.add_argument("--skip-check", action="store_true")
