@@ -24,7 +24,7 @@ from jax import export
 import atlas_jax as aj
 from atlas_jax.config import ActQuant, Format
 from pallas_kernels.grouped_matmul.config import WeightFormat
-from pallas_kernels.moe_decode import ExtraExperts, moe_decode_pairs_reference
+from pallas_kernels.moe_decode import ExtraExperts, make_plan, moe_decode_pairs_reference
 from pallas_kernels.moe_decode.mosaic import (
     ROWS,
     SlotTile,
@@ -36,6 +36,7 @@ from pallas_kernels.moe_decode.mosaic import (
     slot_matmul,
     slot_matmul_reference,
     window_rows,
+    work_items,
 )
 from tests.test_moe import make
 from tests.test_moe_decode_kernel import make_weights, rel_err, routing
@@ -125,6 +126,34 @@ def test_slot_matmul_writes_exactly_its_rows(fmt, k):
     assert np.isnan(out[~owned]).all(), "a row no item owns was written"
     np.testing.assert_allclose(out[owned], ref[owned], rtol=1e-5,
                                atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("pattern", ["random", "repeated", "one_expert", "zero_experts",
+                                     "all_zero", "dup_in_token"])
+@pytest.mark.parametrize("t,k", [(1, 4), (8, 2), (33, 2), (64, 6)])
+def test_work_items_cut_each_slot_into_chunks(pattern, t, k):
+    """Items hold 1..16 rows of one expert, in order, covering every routed row once and no
+    other row; items past the last have 0 rows; the static bound W = U + cdiv(P, 16) holds."""
+    ids = routing(pattern, t, k)
+    plan = make_plan(ids, E)
+    items = np.asarray(work_items(plan))
+    expert, first, rows = np.asarray(plan.work)
+    p = t * k
+    chex.assert_shape(items, (3, min(E, p) + -(-p // ROWS)))
+    ie, istart, icount = items
+    live = icount > 0
+    assert (icount <= ROWS).all() and (icount >= 0).all()
+    assert not live[live.sum():].any(), "unused items last"
+    covered = np.zeros(p, np.int32)
+    for e, r0, n in zip(ie[live], istart[live], icount[live], strict=True):
+        covered[r0:r0 + n] += 1
+        slot = np.flatnonzero((first <= r0) & (r0 < first + rows) & (rows > 0))
+        assert len(slot) == 1 and expert[slot[0]] == e, "an item lies inside its slot"
+        assert r0 + n <= first[slot[0]] + rows[slot[0]]
+    routed = int(rows.sum())
+    np.testing.assert_array_equal(covered[:routed], 1, err_msg="routed rows once")
+    np.testing.assert_array_equal(covered[routed:], 0)
+    assert (np.diff(istart[live]) > 0).all(), "items in sorted-row order"
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
