@@ -76,7 +76,6 @@ from pallas_kernels.paged_attention.decode import _pow2_row_scales
 
 ROWS = 16  # rows of one work item
 WINDOW = ROWS + 8  # activation rows a program reads (the wgmma's N): from an 8-aligned row
-_WEIGHT_DTYPES = (jnp.float8_e4m3fn, jnp.bfloat16, jnp.float16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +122,7 @@ def _kernel(
     work_gmem,  # [3, W] int32: expert id (>= E + E2: unused item), first sorted row, row count
     a_gmem,  # [R, Ka] f16 | bf16: activations in sorted-row order (R >= window_rows(P)); Ka =
     #   K, or FP4: K (MXFP4) | 2K (NVFP4) in the expanded order of ``expand_fp4_activations``
-    *rest,  # per stack (main, [extra]): w [E, N, K] e4m3 | bf16 | f16, or [E, N, K/2] u8
+    *rest,  # per stack (main, [extra]): w [E, N, K] e4m3 | bf16, or [E, N, K/2] u8
     #   (FP4); FP8: scale [E, cdiv(N, b0), cdiv(K, b1)] f32; NVFP4: scale [E, N, K/16] e4m3,
     #   global [E, R] f32; MXFP4: scale [E, N, K/32] u8. Then out [R, N] f32, o_smem
     #   [WINDOW, bn] f32, [w_stage (interpret mode): [bn, bk] (8 / 16 bit) | 2 x [bn, 16]]
@@ -346,13 +345,14 @@ def _kernel(
 
 
 FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
-_W_DTYPE = {"bf16": (jnp.bfloat16, jnp.float16), "fp8": (jnp.float8_e4m3fn,),
+_W_DTYPE = {"bf16": (jnp.bfloat16,), "fp8": (jnp.float8_e4m3fn,),
             "nvfp4": (jnp.uint8,), "mxfp4": (jnp.uint8,)}
 
 
-def activation_dtype(fmt: str, w_dtype) -> jnp.dtype:
-    """The activations' dtype for weights of ``fmt``: the 16-bit weights' own, else f16."""
-    return jnp.dtype(w_dtype) if fmt == "bf16" else jnp.dtype(jnp.float16)
+def activation_dtype(fmt: str) -> jnp.dtype:
+    """The activations' dtype for weights of ``fmt``: bf16 for BF16 weights, else f16 (rows
+    scaled into f16 range by a power of two)."""
+    return jnp.dtype(jnp.bfloat16 if fmt == "bf16" else jnp.float16)
 
 
 def unsupported_reason(fmt: str, w_dtype, n: int, k: int, *,
@@ -403,7 +403,7 @@ def slot_matmul(
     work: jax.Array,  # [3, W] int32: expert (>= E: unused), first sorted row, row count <= 16
     a: jax.Array,  # [R, Ka] (activation_dtype), sorted rows; R >= window_rows(P) for items
     #   over the rows [0, P); Ka = K, FP4: expand_fp4_activations' [R, K] | [R, 2K]
-    w: jax.Array,  # [E, N, K] e4m3 | bf16 | f16, or FP4 codes [E, N, K/2] u8
+    w: jax.Array,  # [E, N, K] e4m3 | bf16, or FP4 codes [E, N, K/2] u8
     scale: jax.Array | None = None,  # FP8: [E, cdiv(N, b0), cdiv(K, b1)] f32; NVFP4:
     #   [E, N, K/16] e4m3; MXFP4: [E, N, K/32] u8 (E8M0)
     extra: tuple | None = None,  # (w, scale, global_scale) of a second stack [E2, ...] likewise:
@@ -440,9 +440,9 @@ def slot_matmul(
     if reason:
         raise NotImplementedError(reason)
     want_a = (rows_a, k * (2 if fmt == "nvfp4" else 1))
-    if a.shape != want_a or a.dtype != activation_dtype(fmt, w.dtype):
-        raise ValueError(f"a: expected {want_a} {activation_dtype(fmt, w.dtype)}, got "
-                         f"{a.shape} {a.dtype}")
+    if a.shape != want_a or a.dtype != activation_dtype(fmt):
+        raise ValueError(f"a: expected {want_a} {activation_dtype(fmt)}, got {a.shape} "
+                         f"{a.dtype}")
 
     def scale_shape(e):
         match fmt:
@@ -571,15 +571,16 @@ _FMT_NAMES = {WeightFormat.BF16: "bf16", WeightFormat.FP8_BLOCK: "fp8",
 
 def format_name(fmt: WeightFormat | str | None, w_dtype) -> str:
     """The kernels' name (``FORMATS``) for ``fmt``, or from the weight dtype where ``fmt`` is
-    None (e4m3: fp8; 16-bit: bf16; uint8 codes are NVFP4 or MXFP4: ``fmt`` must say)."""
+    None (e4m3: fp8; bf16: bf16; uint8 codes are NVFP4 or MXFP4: ``fmt`` must say)."""
     if fmt is not None:
         return _FMT_NAMES[WeightFormat.coerce(fmt)]
     w_dtype = jnp.dtype(w_dtype)
     if w_dtype == jnp.float8_e4m3fn:
         return "fp8"
-    if w_dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    if w_dtype == jnp.bfloat16:
         return "bf16"
-    raise ValueError(f"fmt: {w_dtype} weights need fmt='nvfp4' or 'mxfp4'")
+    raise ValueError(f"fmt: {w_dtype} weights need fmt='nvfp4' or 'mxfp4' (or are not "
+                     f"supported: bf16, e4m3 and FP4 codes are)")
 
 
 @functools.partial(jax.jit, static_argnames=_MOSAIC_STATIC)
