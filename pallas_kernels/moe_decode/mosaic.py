@@ -33,12 +33,12 @@ inputs, as the Triton kernels' ``f16_dot`` route), and BF16 weights with bf16 ac
 NVFP4 and MXFP4 (``[E, N, K/2]`` u8 codes, low nibble = even k): per 16-byte chunk of codes
 (32 K columns), the low and the high nibbles become two f16 A operands by bit placement
 (``e2m1 * 2^-14``, exact), each dotted (K = 16) with the chunk's even / odd activation columns
-into the accumulator of its scale group; each group's f32 partial is multiplied by that
-group's scale per weight row (e4m3 -> f32, or E8M0 -> 2^(s-127), read from global memory one
-step ahead) and the accumulator by ``2^14`` times the NVFP4 global scale at the end. An MXFP4
-chunk is one scale group; an NVFP4 chunk holds two, so its activations are expanded
-(``expand_fp4_activations``) with zeros in each group's operand where the other group's
-columns are. The codes keep the checkpoint's layout; only the (small) activations are
+(``split_fp4_activations``) into the accumulator of its scale group; each group's f32 partial
+is multiplied by that group's scale per weight row (e4m3 -> f32, or E8M0 -> 2^(s-127), read
+from global memory one step ahead) and the accumulator by ``2^14`` times the NVFP4 global
+scale at the end. An MXFP4 chunk is one scale group; an NVFP4 chunk holds two (columns 0-7
+and 8-15 of each nibble operand), dotted separately with the other group's columns zeroed in
+registers. The codes keep the checkpoint's layout; only the (small) activations are
 reordered. FP4 on Mosaic GPU is lowered and checked (interpreter, ``jax.export`` for sm_90)
 but not yet timed on a GPU: ``KernelConfig.decode_kernel="auto"`` does not pick it.
 
@@ -120,8 +120,8 @@ def _stack_size(fmt: str) -> int:
 
 def _kernel(
     work_gmem,  # [3, W] int32: expert id (>= E + E2: unused item), first sorted row, row count
-    a_gmem,  # [R, Ka] f16 | bf16: activations in sorted-row order (R >= window_rows(P)); Ka =
-    #   K, or FP4: K (MXFP4) | 2K (NVFP4) in the expanded order of ``expand_fp4_activations``
+    a_gmem,  # [R, K] f16 | bf16: activations in sorted-row order (R >= window_rows(P)); FP4:
+    #   in the order of ``split_fp4_activations``
     *rest,  # per stack (main, [extra]): w [E, N, K] e4m3 | bf16, or [E, N, K/2] u8
     #   (FP4); FP8: scale [E, cdiv(N, b0), cdiv(K, b1)] f32; NVFP4: scale [E, N, K/16] e4m3,
     #   global [E, R] f32; MXFP4: scale [E, N, K/32] u8. Then out [R, N] f32, o_smem
@@ -162,10 +162,9 @@ def _kernel(
     if fp4:
         # 16-byte column slices of both tiles: codes unswizzled in 16-byte tiles, activations
         # with the 32-byte swizzle (16 f16 a row of a tile)
-        a_cols = bk * (2 if fmt == "nvfp4" else 1)
         w_spec = plgpu.BlockSpec((bn, bk // 2), lambda kb: (0, kb),
                                  transforms=(plgpu.TilingTransform((8, 16)),))
-        a_spec = plgpu.BlockSpec((WINDOW, a_cols), lambda kb: (0, kb),
+        a_spec = plgpu.BlockSpec((WINDOW, bk), lambda kb: (0, kb),
                                  transforms=_transforms(32, 2))
     else:
         w_spec = plgpu.BlockSpec((bn, bk), lambda kb: (0, kb),
@@ -209,34 +208,38 @@ def _kernel(
         )(w_tile, a_tile)
         return acc
 
-    def fp4_operands(w_smem, c):
-        """Chunk ``c`` (16 bytes a row: 32 K columns) of the code tile as two wgmma A operands
-        [bn, 16] f16: the low nibbles (even k) and the high ones (odd k), each code placed in
-        an f16's bits as ``e2m1 * 2^-14`` (sign to bit 15, the three magnitude bits to 11-9:
+    def fp4_codes(w_smem, c):
+        """Chunk ``c`` (16 bytes a row: 32 K columns) of the code tile as two [bn, 16] f16
+        arrays: the low nibbles (even k) and the high ones (odd k), each code placed in an
+        f16's bits as ``e2m1 * 2^-14`` (sign to bit 15, the three magnitude bits to 11-9:
         exact; the 2^14 is multiplied back into the accumulator)."""
         codes = w_smem.at[:, pl.ds(16 * c, 16)][...].astype(jnp.uint16)
-        out = []
-        for i, v in enumerate((codes & 0xF, codes >> 4)):
-            f = lax.bitcast_convert_type(((v & 7) << 9) | ((v & 8) << 12), jnp.float16)
-            if stage_w:  # the interpreter's wgmma reads A from SMEM only
-                w_stage[i][...] = f
-                plgpu.commit_smem()
-                f = w_stage[i]
-            out.append(f)
-        return out
+        return [lax.bitcast_convert_type(((v & 7) << 9) | ((v & 8) << 12), jnp.float16)
+                for v in (codes & 0xF, codes >> 4)]
+
+    def as_operand(f, i):
+        """``f`` as a wgmma A operand: in registers, or (interpreter) staged in SMEM buffer i,
+        which the interpreter's synchronous wgmma has read before the buffer is reused."""
+        if not stage_w:
+            return f
+        w_stage[i][...] = f
+        plgpu.commit_smem()
+        return w_stage[i]
 
     def fp4_steps(w_tile, a_tile, scale_ref, global_ref, e):
         """NVFP4 / MXFP4: per 16-byte chunk of a step, two wgmmas (K = 16, low and high
         nibbles) per scale group into that group's accumulator, then each group's partial
         times its scales (one per weight row: a [bn] vector broadcast along the rows'
         activations), the scales of step kb + 1 loaded during step kb. A chunk is one MXFP4
-        group (32 K columns); for NVFP4 it holds two (16 each), and the expanded activations
-        zero the other group's K columns in each group's operand."""
+        group (32 K columns); for NVFP4 it holds two (16 each: columns 0-7 and 8-15 of each
+        nibble operand), so each group's operands keep their own columns and zero the
+        other's."""
         groups_per_chunk = 2 if fmt == "nvfp4" else 1
         chunks = bk // 32
         per_step = chunks * groups_per_chunk
         num_steps = k // bk
         row_layout = plgpu.Layout.WGMMA.reduce(1)
+        col = plgpu.broadcasted_iota(jnp.int32, (bn, 16), 1, layout=plgpu.Layout.WGMMA)
 
         def scales_of(kb):
             kb = jnp.minimum(kb, num_steps - 1)
@@ -258,12 +261,14 @@ def _kernel(
 
             def mma(*parts):
                 for c in range(chunks):
-                    lo, hi = fp4_operands(w_smem, c)
+                    nibbles = fp4_codes(w_smem, c)
                     for j in range(groups_per_chunk):
-                        g = c * groups_per_chunk + j
-                        for half, a_op in enumerate((lo, hi)):
-                            cols = a_smem.at[:, pl.ds(32 * g + 16 * half, 16)]
-                            plgpu.wgmma(parts[g], a_op, cols.transpose((1, 0)))
+                        for half, f in enumerate(nibbles):
+                            if groups_per_chunk == 2:  # NVFP4: group j's 8 columns only
+                                f = jnp.where(lax.div(col, 8) == j, f, jnp.zeros_like(f))
+                            cols = a_smem.at[:, pl.ds(32 * c + 16 * half, 16)]
+                            plgpu.wgmma(parts[c * groups_per_chunk + j], as_operand(f, half),
+                                        cols.transpose((1, 0)))
                 return tuple(part[...] for part in parts)
 
             parts = pl.run_scoped(mma, *[plgpu.ACC((bn, WINDOW), jnp.float32)
@@ -382,27 +387,24 @@ def unsupported_reason(fmt: str, w_dtype, n: int, k: int, *,
     return None
 
 
-def expand_fp4_activations(a: jax.Array, fmt: str) -> jax.Array:
+def split_fp4_activations(a: jax.Array) -> jax.Array:
     """``a [R, K]`` -> the FP4 kernels' activation order: per 32 K columns (one 16-byte chunk
-    of codes), MXFP4 ``[even 16 | odd 16]`` (the low and high nibbles' columns); NVFP4, whose
-    chunk holds two scale groups of 16, 64 columns: the first group's even and odd columns
-    each followed by 8 zeros, then 8 zeros before each of the second group's, so that each
-    group's wgmma sees only its own columns. ``[R, K]`` (MXFP4) | ``[R, 2K]`` (NVFP4)."""
+    of codes) ``[even 16 | odd 16]``, the columns of the low and of the high nibbles."""
     r, k = a.shape
-    pairs = jnp.swapaxes(a.reshape(r, k // 32, 2, 8, 2), -1, -2)  # [R, C, group, parity, 8]
-    if fmt == "mxfp4":  # [R, C, parity, group, 8] -> even 16 | odd 16
-        return jnp.swapaxes(pairs, 2, 3).reshape(r, k)
-    zeros = jnp.zeros_like(pairs[:, :, :1])
-    first = jnp.concatenate([pairs[:, :, :1], zeros], axis=-1)  # [R, C, 1, 2, 16]
-    second = jnp.concatenate([zeros, pairs[:, :, 1:]], axis=-1)
-    return jnp.concatenate([first, second], axis=2).reshape(r, 2 * k)
+    return jnp.swapaxes(a.reshape(r, k // 32, 16, 2), -1, -2).reshape(r, k)
+
+
+def _natural_order(a: jax.Array) -> jax.Array:
+    """The inverse of ``split_fp4_activations``."""
+    r, k = a.shape
+    return jnp.swapaxes(a.reshape(r, k // 32, 2, 16), -1, -2).reshape(r, k)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "fp8_block", "tile", "interpret"))
 def slot_matmul(
     work: jax.Array,  # [3, W] int32: expert (>= E: unused), first sorted row, row count <= 16
-    a: jax.Array,  # [R, Ka] (activation_dtype), sorted rows; R >= window_rows(P) for items
-    #   over the rows [0, P); Ka = K, FP4: expand_fp4_activations' [R, K] | [R, 2K]
+    a: jax.Array,  # [R, K] (activation_dtype), sorted rows; R >= window_rows(P) for items
+    #   over the rows [0, P); FP4: in split_fp4_activations' order
     w: jax.Array,  # [E, N, K] e4m3 | bf16, or FP4 codes [E, N, K/2] u8
     scale: jax.Array | None = None,  # FP8: [E, cdiv(N, b0), cdiv(K, b1)] f32; NVFP4:
     #   [E, N, K/16] e4m3; MXFP4: [E, N, K/32] u8 (E8M0)
@@ -439,7 +441,7 @@ def slot_matmul(
                                 global_rows=global_rows, tile=tile)
     if reason:
         raise NotImplementedError(reason)
-    want_a = (rows_a, k * (2 if fmt == "nvfp4" else 1))
+    want_a = (rows_a, k)
     if a.shape != want_a or a.dtype != activation_dtype(fmt):
         raise ValueError(f"a: expected {want_a} {activation_dtype(fmt)}, got {a.shape} "
                          f"{a.dtype}")
@@ -509,8 +511,8 @@ def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, fmt: str
     wf = dequantize_weights(w, wfmt, scale=scale, global_scale=global_scale,
                             block_size=fp8_block or (128, 128))  # [E, N, K] f32
     af = a.astype(jnp.float32)
-    if fmt in ("nvfp4", "mxfp4"):  # back to the natural K order (the zeros drop out)
-        af = _natural_order(af, fmt)
+    if fmt in ("nvfp4", "mxfp4"):  # back to the natural K order
+        af = _natural_order(af)
     r = jnp.arange(a.shape[0], dtype=jnp.int32)
     expert, start, count = work
     owner = (r[:, None] >= start[None, :]) & (r[:, None] < (start + count)[None, :])  # [R, W]
@@ -519,18 +521,6 @@ def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, fmt: str
     out = jnp.einsum("pk,pnk->pn", af, wf[jnp.clip(e, 0, w.shape[0] - 1)],
                      precision=jax.lax.Precision.HIGHEST)
     return jnp.where(owned[:, None], out, 0.0)
-
-
-def _natural_order(a: jax.Array, fmt: str) -> jax.Array:
-    """The inverse of ``expand_fp4_activations`` (its zeros dropped)."""
-    r = a.shape[0]
-    if fmt == "mxfp4":
-        k = a.shape[1]
-        return jnp.swapaxes(a.reshape(r, k // 32, 2, 2, 8), 2, 3).swapaxes(-1, -2).reshape(r, k)
-    k = a.shape[1] // 2
-    chunks = a.reshape(r, k // 32, 2, 2, 16)  # [R, C, group, parity, 16]
-    pairs = jnp.stack([chunks[:, :, 0, :, :8], chunks[:, :, 1, :, 8:]], axis=2)  # [R,C,2,2,8]
-    return jnp.swapaxes(pairs, -1, -2).reshape(r, k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -650,7 +640,7 @@ def moe_decode_mosaic_pairs(
         else:
             a, unscale = _scaled_rows(a)  # f16 rows, [R, 1]
             if packed == 2:
-                a = expand_fp4_activations(a, fmt)
+                a = split_fp4_activations(a)
         out = slot_matmul(work, a, w, scale, extra_stack, global_scale, fmt=fmt,
                           fp8_block=fp8_block, tile=tile, interpret=interpret)
         return out if unscale is None else out * unscale
