@@ -140,7 +140,7 @@ def _use_mosaic(x, gate_up: QTensor, down: QTensor, kernels: KernelConfig | None
                 quant: dict) -> bool:
     """KernelConfig.decode_kernel, with "auto" resolved: Mosaic GPU on an sm_90 GPU for FP8_BLOCK
     weights without W8A8 when it supports the shapes (BF16 stays on Triton: even at 8-64
-    tokens, slower at 1-2 on the H200)."""
+    tokens, slower at 1-2 on the H200; FP4 on Mosaic GPU is not timed yet)."""
     match (kernels or KernelConfig()).decode_kernel:
         case GmmKernel.TRITON:
             return False
@@ -155,28 +155,24 @@ def _use_mosaic(x, gate_up: QTensor, down: QTensor, kernels: KernelConfig | None
                     and mosaic_unsupported_reason(x, gate_up, down, **quant) is None)
 
 
-def _moe_decode_mosaic(x, expert_ids, gate_up: QTensor, down: QTensor, gate_up_bias, down_bias,
-                       epilogue: GateUp, extra, quant: dict) -> jax.Array:
+def _weight_kwargs(gate_up: QTensor, down: QTensor, extra, epilogue: GateUp) -> dict:
+    """The keywords both kernel families take: format, epilogue, scales, the extra stack."""
     from pallas_kernels.moe_decode import ExtraExperts
-    from pallas_kernels.moe_decode.mosaic import moe_decode_mosaic_pairs
 
-    reason = mosaic_unsupported_reason(x, gate_up, down, **quant)
-    if reason is not None:
-        raise NotImplementedError(f"moe_decode (decode_kernel='mosaic'): {reason}")
     kw = dict(fmt=gate_up.format.value, activation=epilogue.activation.value,
               gate_up_layout=epilogue.layout.value, limit=epilogue.limit,
-              interpret=interpret_mode(), gate_up_scale=gate_up.scale, down_scale=down.scale,
-              gate_up_global_scale=gate_up.global_scale, down_global_scale=down.global_scale)
+              interpret=interpret_mode(), gate_up_scale=gate_up.scale,
+              gate_up_global_scale=gate_up.global_scale, down_scale=down.scale,
+              down_global_scale=down.global_scale)
     if gate_up.format is Format.FP8_BLOCK:
         kw["block_size"] = tuple(gate_up.block)
     if extra is not None:
         xg, xd = extra
-        kw["extra"] = ExtraExperts(gate_up=xg.data, down=xd.data, gate_up_scale=xg.scale,
-                                   down_scale=xd.scale, gate_up_global_scale=xg.global_scale,
-                                   down_global_scale=xd.global_scale)
-    return moe_decode_mosaic_pairs(
-        x.astype(jnp.bfloat16), expert_ids.astype(jnp.int32), gate_up.data, down.data,
-        gate_up_bias=gate_up_bias, down_bias=down_bias, **kw)
+        kw["extra"] = ExtraExperts(
+            gate_up=xg.data, down=xd.data, gate_up_scale=xg.scale,
+            gate_up_global_scale=xg.global_scale, down_scale=xd.scale,
+            down_global_scale=xd.global_scale)
+    return kw
 
 
 def moe_decode_pallas(
@@ -192,33 +188,26 @@ def moe_decode_pallas(
     extra: tuple[QTensor, QTensor] | None = None,
     kernels: KernelConfig | None = None,
 ) -> jax.Array:  # [T, k, H] float32
-    from pallas_kernels.moe_decode import ExtraExperts, moe_decode_pairs
+    """The Pallas decode kernels of ``kernels.decode_kernel``'s family (``_use_mosaic``)."""
+    from pallas_kernels.moe_decode import moe_decode_pairs
+    from pallas_kernels.moe_decode.mosaic import moe_decode_mosaic_pairs
 
     reason = unsupported_reason(gate_up, down)
     if reason is not None:
         raise NotImplementedError(f"moe_decode (pallas): {reason}")
-    epilogue = epilogue or GateUp()
+    kw = _weight_kwargs(gate_up, down, extra, epilogue or GateUp())
     quant = dict(gate_up_act_quant=gate_up_act_quant, down_act_quant=down_act_quant)
+    ids = expert_ids.astype(jnp.int32)
+    bias = dict(gate_up_bias=gate_up_bias, down_bias=down_bias)
     if _use_mosaic(x, gate_up, down, kernels, quant):
-        return _moe_decode_mosaic(x, expert_ids, gate_up, down, gate_up_bias, down_bias,
-                                  epilogue, extra, quant)
-    kw = dict(fmt=gate_up.format.value, activation=epilogue.activation.value,
-              gate_up_layout=epilogue.layout.value, limit=epilogue.limit,
-              interpret=interpret_mode(), gate_up_act_quant=gate_up_act_quant.value,
-              down_act_quant=down_act_quant.value)
-    if gate_up.format is Format.FP8_BLOCK:
-        kw["block_size"] = tuple(gate_up.block)
-    if extra is not None:
-        xg, xd = extra
-        kw["extra"] = ExtraExperts(
-            gate_up=xg.data, down=xd.data, gate_up_scale=xg.scale,
-            gate_up_global_scale=xg.global_scale, down_scale=xd.scale,
-            down_global_scale=xd.global_scale)
-    return moe_decode_pairs(
-        x.astype(compute_dtype(x)), expert_ids.astype(jnp.int32), gate_up.data, down.data,
-        gate_up_scale=gate_up.scale, gate_up_global_scale=gate_up.global_scale,
-        gate_up_bias=gate_up_bias, down_scale=down.scale, down_global_scale=down.global_scale,
-        down_bias=down_bias, **kw)
+        reason = mosaic_unsupported_reason(x, gate_up, down, **quant)
+        if reason is not None:
+            raise NotImplementedError(f"moe_decode (decode_kernel='mosaic'): {reason}")
+        return moe_decode_mosaic_pairs(x.astype(jnp.bfloat16), ids, gate_up.data, down.data,
+                                       **bias, **kw)
+    return moe_decode_pairs(x.astype(compute_dtype(x)), ids, gate_up.data, down.data, **bias,
+                            gate_up_act_quant=gate_up_act_quant.value,
+                            down_act_quant=down_act_quant.value, **kw)
 
 
 def _check(x, expert_ids, gate_up, down, gate_up_bias, down_bias) -> None:
