@@ -58,6 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._dequant import F16_FP4_FACTOR, e2m1_to_f16_scaled, e8m0_to_f32
 from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout, WeightFormat
 from pallas_kernels.grouped_matmul.reference import (
     GPT_OSS_ALPHA,
@@ -214,8 +215,7 @@ def _kernel(
         f16's bits as ``e2m1 * 2^-14`` (sign to bit 15, the three magnitude bits to 11-9:
         exact; the 2^14 is multiplied back into the accumulator)."""
         codes = w_smem.at[:, pl.ds(16 * c, 16)][...].astype(jnp.uint16)
-        return [lax.bitcast_convert_type(((v & 7) << 9) | ((v & 8) << 12), jnp.float16)
-                for v in (codes & 0xF, codes >> 4)]
+        return [e2m1_to_f16_scaled(v) for v in (codes & 0xF, codes >> 4)]
 
     def as_operand(f, i):
         """``f`` as a wgmma A operand: in registers, or (interpreter) staged in SMEM buffer i,
@@ -249,9 +249,8 @@ def _kernel(
                                layout=row_layout, optimized=False)  # [bn], strided
                 if fmt == "nvfp4":
                     out.append(s.astype(jnp.float16).astype(jnp.float32))
-                else:  # E8M0 -> 2^(s - 127) (s = 0 gives 0, as _dequant.e8m0_to_f32)
-                    out.append(lax.bitcast_convert_type(s.astype(jnp.uint32) << 23,
-                                                        jnp.float32))
+                else:  # E8M0 -> 2^(s - 127)
+                    out.append(e8m0_to_f32(s.astype(jnp.int32)))
             return tuple(out)
 
         def step(idx, w_smem, a_smem, carry):
@@ -282,7 +281,7 @@ def _kernel(
             step, grid=(num_steps,), in_specs=[w_spec, a_spec],
             max_concurrent_steps=tile.num_stages, init_carry=(zeros, scales_of(0)),
         )(w_tile, a_tile)
-        factor = jnp.float32(2.0 ** 14)  # undoes the codes' placement as e2m1 * 2^-14
+        factor = jnp.float32(F16_FP4_FACTOR)  # undoes the codes' placement (e2m1 * 2^-14)
         if global_ref is not None:
             factor = factor * global_ref[e, lax.div(n0, global_rows)]
         return acc * factor
@@ -349,9 +348,9 @@ def _kernel(
             run(*stacks[1], e=e - main_experts)
 
 
-FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 _W_DTYPE = {"bf16": (jnp.bfloat16,), "fp8": (jnp.float8_e4m3fn,),
             "nvfp4": (jnp.uint8,), "mxfp4": (jnp.uint8,)}
+FORMATS = tuple(_W_DTYPE)  # the kernels' format names
 
 
 def activation_dtype(fmt: str) -> jnp.dtype:
@@ -428,7 +427,7 @@ def slot_matmul(
     rows_a = a.shape[0]
     if rows_a < WINDOW:
         raise ValueError(f"a: expected at least {WINDOW} rows (one window), got {rows_a}")
-    fmt = format_name(fmt, w.dtype) if fmt not in FORMATS else fmt
+    fmt = format_name(fmt, w.dtype)
     fp4 = fmt in ("nvfp4", "mxfp4")
     _, n, k = w.shape
     k = 2 * k if fp4 else k
@@ -506,7 +505,7 @@ def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, fmt: str
                           fp8_block=None) -> jax.Array:
     """Plain jnp: ``[R, N]`` f32, every row of every item (rows no item owns: 0); ``a`` as
     ``slot_matmul`` takes it (FP4: in the expanded order)."""
-    fmt = format_name(fmt, w.dtype) if fmt not in FORMATS else fmt
+    fmt = format_name(fmt, w.dtype)
     wfmt = {name: f for f, name in _FMT_NAMES.items()}[fmt]
     wf = dequantize_weights(w, wfmt, scale=scale, global_scale=global_scale,
                             block_size=fp8_block or (128, 128))  # [E, N, K] f32
@@ -561,7 +560,10 @@ _FMT_NAMES = {WeightFormat.BF16: "bf16", WeightFormat.FP8_BLOCK: "fp8",
 
 def format_name(fmt: WeightFormat | str | None, w_dtype) -> str:
     """The kernels' name (``FORMATS``) for ``fmt``, or from the weight dtype where ``fmt`` is
-    None (e4m3: fp8; bf16: bf16; uint8 codes are NVFP4 or MXFP4: ``fmt`` must say)."""
+    None (e4m3: fp8; bf16: bf16; uint8 codes are NVFP4 or MXFP4: ``fmt`` must say). A name
+    from ``FORMATS`` passes through."""
+    if fmt in FORMATS:
+        return fmt
     if fmt is not None:
         return _FMT_NAMES[WeightFormat.coerce(fmt)]
     w_dtype = jnp.dtype(w_dtype)
