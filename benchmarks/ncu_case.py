@@ -4,6 +4,9 @@
         python benchmarks/ncu_case.py paged 32 16384 32 4 128 fp8
     ncu --clock-control none --target-processes all -k regex:moe_decode --launch-skip 4 \\
         --launch-count 2 python benchmarks/ncu_case.py moe qwen3-30b-a3b nvfp4 8
+    ncu --clock-control none --target-processes all -k regex:mosaic --launch-skip 4 \\
+        --launch-count 2 python benchmarks/ncu_case.py moe qwen3-30b-a3b nvfp4 64 \\
+        --decode-kernel mosaic
 
 The case is built as in ``paged_attention.py`` / ``moe_decode.py`` (random data, never zeros)
 and run ``--calls`` times, each call synchronized, so the kernels of call 3 on are warm.
@@ -51,10 +54,11 @@ def parse_config(text: str) -> DecodeConfig:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def moe_call(shape: str, fmt: str, tokens: int):
+def moe_call(shape: str, fmt: str, tokens: int, decode_kernel: str = "auto"):
     params = md.make_layer(shape, fmt)
     x = md.token_sets(tokens, params.config.hidden_size, 1)[0]
-    fn = jax.jit(lambda p, x: aj.moe_forward(p, x, kernels=md.PALLAS))
+    kernels = md.PALLAS.replace(decode_kernel=decode_kernel)
+    fn = jax.jit(lambda p, x: aj.moe_forward(p, x, kernels=kernels))
     return lambda: fn(params, x)
 
 
@@ -74,11 +78,13 @@ def main() -> None:
     m.add_argument("shape", choices=list(md.SHAPES))
     m.add_argument("fmt", choices=list(md.FORMATS))
     m.add_argument("tokens", type=int)
+    m.add_argument("--decode-kernel", choices=("auto", "triton", "mosaic"), default="auto",
+                   help="KernelConfig.decode_kernel")
     args = parser.parse_args()
     if args.kind == "paged":
         call = paged_call(args.b, args.ctx, args.hq, args.hk, args.d, args.kv, args.config)
     else:
-        call = moe_call(args.shape, args.fmt, args.tokens)
+        call = moe_call(args.shape, args.fmt, args.tokens, args.decode_kernel)
     for _ in range(args.calls):
         jax.block_until_ready(call())
 

@@ -30,11 +30,12 @@ from pallas_kernels.moe_decode.mosaic import (
     SlotTile,
     _natural_order,
     choose_slot_tile,
+    fp4_operand_order,
     format_name,
     moe_decode_mosaic_pairs,
     slot_matmul,
+    permute_fp4_activations,
     slot_matmul_reference,
-    split_fp4_activations,
     window_rows,
     work_items,
 )
@@ -101,6 +102,18 @@ def test_slot_matmul_writes_exactly_its_rows(fmt, k):
     """Items start at rows that are not multiples of 8 (windows read rows of their
     neighbours), hold 1..16 rows (every set bit of the store), two column tiles (NVFP4: each
     with its own global scale); an unused item and rows no item owns: those rows stay NaN."""
+    check_slot_matmul(fmt, k, compiled=False)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
+@pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4, MXFP4], ids=lambda f: f.value)
+@pytest.mark.parametrize("k", [128, 192, 384, 320])  # K steps: 1 x 128, 3 x 64, 3 x 128, 5 x 64
+def test_compiled_slot_matmul_on_gpu(fmt, k):
+    """The same items through the compiled kernels (operands in registers)."""
+    check_slot_matmul(fmt, k, compiled=True)
+
+
+def check_slot_matmul(fmt, k, *, compiled: bool):
     rng = np.random.default_rng(3)
     n, p = 128, 45
     w = make_weights(rng, fmt, n, k, e=4, fp8_block=FP8_BLOCK, global_rows=2)
@@ -111,11 +124,11 @@ def test_slot_matmul_writes_exactly_its_rows(fmt, k):
                                  [4, 0, 0], [2, 42, 3]]).T, jnp.int32)
     a_dtype = jnp.bfloat16 if fmt is BF16 else jnp.float16
     a = jnp.asarray(rng.standard_normal((window_rows(p), k)), a_dtype)
-    if fmt in FP4:
-        a = split_fp4_activations(a)
+    tile = choose_slot_tile(k)
+    a_kernel = permute_fp4_activations(a, tile.block_k) if fmt in FP4 else a
     fp8_block = FP8_BLOCK if fmt is FP8 else None
-    out = slot_matmul(work, a, w["w"], scale, None, global_scale, fmt=name, fp8_block=fp8_block,
-                      tile=choose_slot_tile(k), interpret=True)
+    out = slot_matmul(work, a_kernel, w["w"], scale, None, global_scale, fmt=name,
+                      fp8_block=fp8_block, tile=tile, interpret=not compiled)
     ref = slot_matmul_reference(work, a, w["w"], scale, global_scale, fmt=name,
                                 fp8_block=fp8_block)
     chex.assert_shape(out, (window_rows(p), n))
@@ -123,7 +136,8 @@ def test_slot_matmul_writes_exactly_its_rows(fmt, k):
     owned = np.zeros(window_rows(p), bool)
     for _, first, rows in np.asarray(work).T:
         owned[first:first + rows] = True
-    assert np.isnan(out[~owned]).all(), "a row no item owns was written"
+    if not compiled:  # the interpreter's outputs start NaN
+        assert np.isnan(out[~owned]).all(), "a row no item owns was written"
     np.testing.assert_allclose(out[owned], ref[owned], rtol=1e-5,
                                atol=1e-5 * np.abs(ref).max())
 
@@ -156,11 +170,26 @@ def test_work_items_cut_each_slot_into_chunks(pattern, t, k):
     assert (np.diff(istart[live]) > 0).all(), "items in sorted-row order"
 
 
-def test_fp4_activation_order():
-    a = jnp.arange(2 * 64, dtype=jnp.float32).reshape(2, 64).astype(jnp.float16)
-    split = np.asarray(split_fp4_activations(a))
-    np.testing.assert_array_equal(split[0, :32], [*range(0, 32, 2), *range(1, 32, 2)])
-    np.testing.assert_array_equal(np.asarray(_natural_order(jnp.asarray(split))), np.asarray(a))
+@pytest.mark.parametrize("block_k", [64, 128])
+def test_fp4_activation_order(block_k):
+    """A permutation of each K step; thread c of a quad reads K columns [c bk/4, (c+1) bk/4)
+    (its bytes of the code row): operand h, column 8j + 2c + q is nibble 2(h%2) + j + 4q of
+    its word h // 2; each operand's 16 columns take 4 from each thread's range."""
+    order = fp4_operand_order(block_k)
+    np.testing.assert_array_equal(np.sort(order), np.arange(block_k))
+    quarter = block_k // 4  # operand 0, j = 0: nibbles 0 and 4 of each thread's first word
+    np.testing.assert_array_equal(order[:8], [0, 4, quarter, quarter + 4, 2 * quarter,
+                                              2 * quarter + 4, 3 * quarter, 3 * quarter + 4])
+    np.testing.assert_array_equal(order[8:10], [1, 5])  # j = 1 of operand 0: nibbles 1, 5
+    np.testing.assert_array_equal(order[16:18], [2, 6])  # operand 1: nibbles 2, 6
+    for h in range(block_k // 16):
+        thread = order[16 * h:16 * h + 16] // (block_k // 4)
+        np.testing.assert_array_equal(thread, np.tile(np.repeat(np.arange(4), 2), 2))
+    a = jnp.arange(2 * 2 * block_k, dtype=jnp.float32).reshape(2, 2 * block_k)
+    permuted = permute_fp4_activations(a, block_k)
+    np.testing.assert_array_equal(np.asarray(permuted)[0, block_k:],
+                                  block_k + order)  # step 2 permuted the same way
+    np.testing.assert_array_equal(np.asarray(_natural_order(permuted, block_k)), np.asarray(a))
 
 
 def test_slot_matmul_bad_inputs_raise():

@@ -54,11 +54,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, vector
 
-from pallas_kernels._dequant import F16_FP4_FACTOR, e2m1_to_f16_scaled, e8m0_to_f32
+from pallas_kernels._dequant import e2m1_to_f16_scaled, e8m0_step_to_f16, e8m0_to_f32
 from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout, WeightFormat
 from pallas_kernels.grouped_matmul.reference import (
     GPT_OSS_ALPHA,
@@ -163,8 +167,7 @@ def _kernel(
     if fp4:
         # 16-byte column slices of both tiles: codes unswizzled in 16-byte tiles, activations
         # with the 32-byte swizzle (16 f16 a row of a tile)
-        w_spec = plgpu.BlockSpec((bn, bk // 2), lambda kb: (0, kb),
-                                 transforms=(plgpu.TilingTransform((8, 16)),))
+        w_spec = plgpu.BlockSpec((bn, bk // 2), lambda kb: (0, kb), transforms=_CODE_TRANSFORMS)
         a_spec = plgpu.BlockSpec((WINDOW, bk), lambda kb: (0, kb),
                                  transforms=_transforms(32, 2))
     else:
@@ -209,13 +212,47 @@ def _kernel(
         )(w_tile, a_tile)
         return acc
 
-    def fp4_codes(w_smem, c):
-        """Chunk ``c`` (16 bytes a row: 32 K columns) of the code tile as two [bn, 16] f16
-        arrays: the low nibbles (even k) and the high ones (odd k), each code placed in an
-        f16's bits as ``e2m1 * 2^-14`` (sign to bit 15, the three magnitude bits to 11-9:
-        exact; the 2^14 is multiplied back into the accumulator)."""
-        codes = w_smem.at[:, pl.ds(16 * c, 16)][...].astype(jnp.uint16)
-        return [e2m1_to_f16_scaled(v) for v in (codes & 0xF, codes >> 4)]
+    def fp4_steps(w_tile, a_tile, scale_ref, global_ref, e):
+        """NVFP4 / MXFP4: each step's codes become ``bk / 16`` f16 A operands with their scales
+        folded in (``_fp4_operands``), dotted into one partial per step; MXFP4's partial is
+        multiplied by its rows' ``2^(s_max - 127 + 14)``. The scales of step kb + 1 are
+        loaded during step kb."""
+        num_steps = k // bk
+        mx = fmt == "mxfp4"
+        if stage_w:
+            scales_of = functools.partial(_fp4_scales_jnp, scale_ref, e, n0, fmt=fmt, tile=tile)
+            operands_of = _fp4_operands_jnp
+        else:
+            scales_of = functools.partial(_fp4_scales_inline, scale_ref, e * scale_ref.shape[1]
+                                          + n0, fmt=fmt, tile=tile)
+            operands_of = functools.partial(_fp4_operands_inline, tile=tile)
+
+        def step(idx, w_smem, a_smem, carry):
+            (kb,) = idx
+            acc, scales = carry
+            scales_next = scales_of(jnp.minimum(kb + 1, num_steps - 1))
+            ops = operands_of(w_smem, scales[0])
+
+            def mma(part):
+                for h, op in enumerate(ops):
+                    cols = a_smem.at[:, pl.ds(16 * h, 16)]
+                    plgpu.wgmma(part, as_operand(op, h % 2), cols.transpose((1, 0)))
+                return part[...]
+
+            part = pl.run_scoped(mma, plgpu.ACC((bn, WINDOW), jnp.float32))
+            if mx:
+                part = part * lax.broadcast_in_dim(scales[1], (bn, WINDOW), [0])
+            return acc + part, scales_next
+
+        zeros = plgpu.layout_cast(jnp.zeros((bn, WINDOW), jnp.float32), plgpu.Layout.WGMMA)
+        acc, _ = plgpu.emit_pipeline(
+            step, grid=(num_steps,), in_specs=[w_spec, a_spec],
+            max_concurrent_steps=tile.num_stages, init_carry=(zeros, scales_of(0)),
+        )(w_tile, a_tile)
+        if global_ref is None:
+            return acc
+        # NVFP4: the operands held e2m1 * s * 2^-7 (_NVFP4_FACTOR_SHIFT)
+        return acc * (global_ref[e, lax.div(n0, global_rows)] * 2.0**_NVFP4_FACTOR_SHIFT)
 
     def as_operand(f, i):
         """``f`` as a wgmma A operand: in registers, or (interpreter) staged in SMEM buffer i,
@@ -225,66 +262,6 @@ def _kernel(
         w_stage[i][...] = f
         plgpu.commit_smem()
         return w_stage[i]
-
-    def fp4_steps(w_tile, a_tile, scale_ref, global_ref, e):
-        """NVFP4 / MXFP4: per 16-byte chunk of a step, two wgmmas (K = 16, low and high
-        nibbles) per scale group into that group's accumulator, then each group's partial
-        times its scales (one per weight row: a [bn] vector broadcast along the rows'
-        activations), the scales of step kb + 1 loaded during step kb. A chunk is one MXFP4
-        group (32 K columns); for NVFP4 it holds two (16 each: columns 0-7 and 8-15 of each
-        nibble operand), so each group's operands keep their own columns and zero the
-        other's."""
-        groups_per_chunk = 2 if fmt == "nvfp4" else 1
-        chunks = bk // 32
-        per_step = chunks * groups_per_chunk
-        num_steps = k // bk
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
-        col = plgpu.broadcasted_iota(jnp.int32, (bn, 16), 1, layout=plgpu.Layout.WGMMA)
-
-        def scales_of(kb):
-            kb = jnp.minimum(kb, num_steps - 1)
-            out = []
-            for g in range(per_step):
-                s = plgpu.load(scale_ref.at[e, pl.ds(n0, bn), kb * per_step + g],
-                               layout=row_layout, optimized=False)  # [bn], strided
-                if fmt == "nvfp4":
-                    out.append(s.astype(jnp.float16).astype(jnp.float32))
-                else:  # E8M0 -> 2^(s - 127)
-                    out.append(e8m0_to_f32(s.astype(jnp.int32)))
-            return tuple(out)
-
-        def step(idx, w_smem, a_smem, carry):
-            (kb,) = idx
-            acc, scales = carry
-            scales_next = scales_of(kb + 1)
-
-            def mma(*parts):
-                for c in range(chunks):
-                    nibbles = fp4_codes(w_smem, c)
-                    for j in range(groups_per_chunk):
-                        for half, f in enumerate(nibbles):
-                            if groups_per_chunk == 2:  # NVFP4: group j's 8 columns only
-                                f = jnp.where(lax.div(col, 8) == j, f, jnp.zeros_like(f))
-                            cols = a_smem.at[:, pl.ds(32 * c + 16 * half, 16)]
-                            plgpu.wgmma(parts[c * groups_per_chunk + j], as_operand(f, half),
-                                        cols.transpose((1, 0)))
-                return tuple(part[...] for part in parts)
-
-            parts = pl.run_scoped(mma, *[plgpu.ACC((bn, WINDOW), jnp.float32)
-                                         for _ in range(per_step)])
-            for part, sv in zip(parts, scales, strict=True):
-                acc = acc + part * lax.broadcast_in_dim(sv, (bn, WINDOW), [0])
-            return acc, scales_next
-
-        zeros = plgpu.layout_cast(jnp.zeros((bn, WINDOW), jnp.float32), plgpu.Layout.WGMMA)
-        acc, _ = plgpu.emit_pipeline(
-            step, grid=(num_steps,), in_specs=[w_spec, a_spec],
-            max_concurrent_steps=tile.num_stages, init_carry=(zeros, scales_of(0)),
-        )(w_tile, a_tile)
-        factor = jnp.float32(F16_FP4_FACTOR)  # undoes the codes' placement (e2m1 * 2^-14)
-        if global_ref is not None:
-            factor = factor * global_ref[e, lax.div(n0, global_rows)]
-        return acc * factor
 
     def plain_steps(w_tile, a_tile):
         """16-bit weights: one accumulator, wgmma kept in flight across steps."""
@@ -348,6 +325,226 @@ def _kernel(
             run(*stacks[1], e=e - main_experts)
 
 
+# ---------------------------------------------------------------------------------------------
+# NVFP4 / MXFP4 operands: the codes of a K step -> f16 wgmma A operands with the scales in.
+# ---------------------------------------------------------------------------------------------
+#
+# A thread of the warpgroup holds, in the wgmma's register A layout ([64, 16] f16, WGMMA), rows
+# r and r + 8 (r = 16 * warp + lane // 4) and columns 2c, 2c + 1, 8 + 2c, 9 + 2c (c = lane % 4)
+# of each operand. Here thread c of a quad reads bytes [c * bk / 8, (c + 1) * bk / 8) of its
+# rows' codes (one 16- or 8-byte SMEM load a row), 32-bit words of 8 nibbles; nibbles p and
+# p + 4 of a word (p < 4) become one f16x2 register by bit placement (two shifts, two masks).
+# Which K column lands in which operand column follows from that (``fp4_operand_order``); the
+# activations are permuted to match (``permute_fp4_activations``), so no shuffle is needed.
+# Every 32-bit word of a thread lies in one scale group, so a thread multiplies each register
+# by one of at most two per-row factors: NVFP4 ``s * 2^7`` (e4m3 s, exact in f16, the product
+# ``e2m1 * s * 2^-7`` exact too), MXFP4 ``2^(s - s_max)`` against the largest scale of the row's
+# K step (``e8m0_step_to_f16``; the step's partial is multiplied by ``2^(s_max - 127 + 14)``).
+
+_CODE_TRANSFORMS = (plgpu.TilingTransform((8, 16)),)  # code tiles in SMEM: 16-byte columns
+_NVFP4_FACTOR_SHIFT = 7  # NVFP4 factors s * 2^7: f16 operands e2m1 * 2^-14 * s * 2^7
+_F16X2_MAG, _F16X2_SIGN = 0x0E000E00, 0x80008000  # an f16x2's e2m1 magnitude / sign bits
+
+
+def _to_operand_order(x):
+    """``x [..., bk]`` in K order (one step) -> the FP4 operands' column order: K column
+    ``c bk/4 + 8w + 4q + 2hh + j`` (thread c's word w, nibble 2hh + j + 4q) goes to position
+    ``16 (2w + hh) + 8j + 2c + q`` (operand 2w + hh, column 8j + 2c + q; see above)."""
+    *lead, bk = x.shape
+    x = x.reshape(*lead, 4, bk // 32, 2, 2, 2)  # (c, w, q, hh, j)
+    n = len(lead)
+    return x.transpose(*range(n), n + 1, n + 3, n + 4, n, n + 2).reshape(*lead, bk)
+
+
+def fp4_operand_order(block_k: int) -> np.ndarray:
+    """``[block_k]``: the K column (within a step) of each activation column the FP4 kernels
+    read, operand after operand (operand h: columns 16h .. 16h + 15)."""
+    return _to_operand_order(np.arange(block_k, dtype=np.int32))
+
+
+def permute_fp4_activations(a: jax.Array, block_k: int) -> jax.Array:
+    """``a [R, K]`` -> the FP4 kernels' column order for K steps of ``block_k``."""
+    r, k = a.shape
+    return _to_operand_order(a.reshape(r, k // block_k, block_k)).reshape(r, k)
+
+
+def _natural_order(a: jax.Array, block_k: int) -> jax.Array:
+    """The inverse of ``permute_fp4_activations`` (tests)."""
+    r, k = a.shape
+    inverse = np.argsort(fp4_operand_order(block_k))
+    return a.reshape(r, k // block_k, block_k)[:, :, inverse].reshape(r, k)
+
+
+def _group_size(fmt: str) -> int:
+    return 16 if fmt == "nvfp4" else 32
+
+
+def _fp4_scales_jnp(scale_ref, e, n0, kb, *, fmt: str, tile: SlotTile):
+    """Interpret mode's ``_fp4_scales_inline``: the factors of step ``kb`` as a ``[bn, bk]``
+    f16 array in operand order (and MXFP4's ``[bn]`` f32 partial scale)."""
+    bn, bk = tile.block_n, tile.block_k
+    size = _group_size(fmt)
+    s = scale_ref[e, pl.ds(n0, bn), pl.ds(kb * (bk // size), bk // size)]  # [bn, groups]
+
+    def per_column(f):  # [bn, groups] -> [bn, bk] in operand order
+        return _to_operand_order(jnp.repeat(f, size, axis=1))
+
+    if fmt == "nvfp4":
+        return (per_column((s.astype(jnp.float32) * 2.0**_NVFP4_FACTOR_SHIFT)
+                           .astype(jnp.float16)),)
+    s = s.astype(jnp.int32)
+    top = jnp.max(s, axis=1)
+    return (per_column(e8m0_step_to_f16(s - top[:, None])),
+            e8m0_to_f32(jnp.minimum(top + 14, 255)))
+
+
+def _fp4_operands_jnp(w_smem, factors):
+    """Interpret mode's ``_fp4_operands_inline``: the same operands by jnp."""
+    codes = w_smem[...].astype(jnp.int32)  # [bn, bk / 2]
+    bn, bk = codes.shape[0], 2 * codes.shape[1]
+    nibbles = jnp.stack([codes & 15, codes >> 4], axis=-1).reshape(bn, bk)  # K order
+    f = _to_operand_order(e2m1_to_f16_scaled(nibbles)) * factors
+    return [f[:, 16 * h:16 * h + 16] for h in range(bk // 16)]
+
+
+def _i32(v):
+    return mgpu.utils.c(v, ir.IntegerType.get_signless(32))
+
+
+def _thread_rows():
+    """(this thread's first row in the WGMMA layout, its lane in the quad ``c``), i32."""
+    tid = mgpu.utils.thread_idx()
+    lane = arith.remui(tid, _i32(32))
+    warp = arith.remui(arith.divui(tid, _i32(32)), _i32(4))
+    row = arith.addi(arith.muli(warp, _i32(16)), arith.divui(lane, _i32(4)))
+    return row, arith.remui(lane, _i32(4))
+
+
+def _load(ptr, offset, ty):
+    """``ty`` at byte ``offset`` (i32) from ``ptr`` (aligned to ``ty``'s size by the caller)."""
+    return llvm.load(ty, mgpu.utils.getelementptr(ptr, [offset],
+                                                  ir.IntegerType.get_signless(8)))
+
+
+def _splat_f16x2(bits):
+    """i32 whose low 16 bits are an f16 -> vector<2xf16> holding it twice."""
+    pair = arith.ori(bits, arith.shli(bits, _i32(16)))
+    return mgpu.utils.bitcast(pair, ir.VectorType.get((2,), ir.F16Type.get()))
+
+
+def _fp4_scales_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
+    """Step ``kb``'s factors, per thread: a ``[bn, 16]`` f16 WGMMA-layout array used as a
+    carrier (register ``[.., j, .., i, ..]`` = the factor of the thread's row half ``i`` and
+    scale group slot ``j``; not a logical array) and, for MXFP4, the rows' ``[bn]`` f32
+    partial scale. ``scale_ref`` ``[E, N, K / 16 | K / 32]``, ``row0 = e * N + n0``."""
+    bn, bk = tile.block_n, tile.block_k
+    size = _group_size(fmt)
+    groups = bk // size  # scale bytes of a row in one step: 8 | 4 (NVFP4), 4 | 2 (MXFP4)
+    stride = scale_ref.shape[-1]
+    mx = fmt == "mxfp4"
+    ret = (plgpu.ShapeDtypeStruct((bn, 16), jnp.float16, layout=plgpu.Layout.WGMMA),)
+    if mx:
+        ret += (plgpu.ShapeDtypeStruct((bn,), jnp.float32, layout=plgpu.Layout.WGMMA.reduce(1)),)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT,
+                                  plgpu.Layout.WG_SPLAT), return_type=ret)
+    def load(_, ref, first_row, first_col):
+        i8, i16, i32 = (ir.IntegerType.get_signless(b) for b in (8, 16, 32))
+        row, quad = _thread_rows()
+        own = arith.divui(arith.muli(quad, _i32(bk // 4)), _i32(size))  # the thread's 1st group
+        ptr = mgpu.utils.memref_ptr(ref)
+        factors = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, 16)), object)
+        row_scales = np.empty(mgpu.WGMMA_ROW_LAYOUT.registers_shape((bn,)), object)
+        for i in range(2):
+            r = arith.addi(first_row.registers.item(), arith.addi(row, _i32(8 * i)))
+            base = arith.addi(arith.muli(r, _i32(stride)), first_col.registers.item())
+            if not mx:  # e4m3 bytes of groups own (and own + 1), 2-aligned when two
+                at = arith.addi(base, own)
+                v = _load(ptr, at, i16) if groups == 8 else arith.extui(i16, _load(ptr, at, i8))
+                f = mgpu.utils.inline_ptx("cvt.rn.f16x2.e4m3x2 $0, $1;", v, result_types=i32)
+                f = mgpu.utils.bitcast(f, ir.VectorType.get((2,), ir.F16Type.get()))
+                f = mgpu.utils.bitcast(arith.mulf(f, mgpu.utils.c(
+                    2.0**_NVFP4_FACTOR_SHIFT, f.type)), i32)
+                lo = _splat_f16x2(arith.andi(f, _i32(0xFFFF)))
+                hi = _splat_f16x2(arith.shrui(f, _i32(16))) if groups == 8 else lo
+            else:  # every E8M0 byte of the step (its max), then the thread's own
+                word = _load(ptr, base, i32 if groups == 4 else i16)
+                word = word if groups == 4 else arith.extui(i32, word)
+                top = _i32(0)
+                for b in range(groups):
+                    byte = arith.andi(arith.shrui(word, _i32(8 * b)), _i32(0xFF))
+                    top = arith.maxui(top, byte)
+                mine = arith.andi(arith.shrui(word, arith.muli(own, _i32(8))), _i32(0xFF))
+                d = arith.subi(mine, top)  # <= 0: the f16 2^d of e8m0_step_to_f16
+                normal = arith.shli(arith.addi(arith.maxsi(d, _i32(-14)), _i32(15)), _i32(10))
+                sub = arith.shli(_i32(1), arith.minsi(arith.maxsi(arith.addi(d, _i32(24)),
+                                                                  _i32(0)), _i32(9)))
+                ge = lambda x, y: arith.cmpi(arith.CmpIPredicate.sge, x, y)  # noqa: E731
+                bits = arith.select(ge(d, _i32(-14)), normal,
+                                    arith.select(ge(d, _i32(-24)), sub, _i32(0)))
+                lo = hi = _splat_f16x2(bits)
+                scale_bits = arith.shli(arith.minui(arith.addi(top, _i32(14)), _i32(255)),
+                                        _i32(23))  # 2^(s_max - 127 + 14), f32
+                row_scales[0, 0, i, 0, 0] = mgpu.utils.bitcast(
+                    scale_bits, ir.VectorType.get((1,), ir.F32Type.get()))
+            factors[0, 0, 0, 0, i, 0, 0, 0, 0] = lo
+            factors[0, 1, 0, 0, i, 0, 0, 0, 0] = hi
+        out = (mgpu.FragmentedArray(_registers=factors, _layout=mgpu.WGMMA_LAYOUT,
+                                    _is_signed=None),)
+        if mx:
+            out += (mgpu.FragmentedArray(_registers=row_scales, _layout=mgpu.WGMMA_ROW_LAYOUT,
+                                         _is_signed=None),)
+        return out
+
+    return load(scale_ref, jnp.asarray(row0, jnp.int32), jnp.asarray(kb * groups, jnp.int32))
+
+
+def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
+    """The code tile ``w_smem [bn, bk / 2]`` (``_CODE_TRANSFORMS``) -> ``bk / 16`` f16 A
+    operands ``[bn, 16]`` (WGMMA layout) with the step's factors (``_fp4_scales_inline``'s
+    carrier) multiplied in; operand h's columns hold K columns ``fp4_operand_order``."""
+    bn, bk = tile.block_n, tile.block_k
+    words = bk // 32  # 32-bit words a thread reads of a row
+    operand = plgpu.ShapeDtypeStruct((bn, 16), jnp.float16, layout=plgpu.Layout.WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_CODE_TRANSFORMS), plgpu.Layout.WGMMA),
+                       return_type=(operand,) * (bk // 16))
+    def convert(_, ref, fac):
+        i32 = ir.IntegerType.get_signless(32)
+        f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
+        row, quad = _thread_rows()
+        ptr = mgpu.utils.memref_ptr(ref)
+        regs = [np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, 16)), object)
+                for _ in range(bk // 16)]
+        first = arith.muli(quad, _i32(bk // 8))  # the thread's first byte of a row
+        col_tile, col_byte = arith.divui(first, _i32(16)), arith.remui(first, _i32(16))
+        for i in range(2):
+            r = arith.addi(row, _i32(8 * i))
+            # the tiled tile [bn / 8, bk / 32, 8, 16]: (r // 8, column tile, r % 8, byte)
+            tile_at = arith.addi(arith.muli(arith.divui(r, _i32(8)), _i32(bk // 32)), col_tile)
+            at = arith.addi(arith.muli(tile_at, _i32(128)),
+                            arith.addi(arith.muli(arith.remui(r, _i32(8)), _i32(16)), col_byte))
+            vec = _load(ptr, at, ir.VectorType.get((words,), i32))
+            for w in range(words):
+                word = vector.extract(vec, dynamic_position=[],
+                                      static_position=ir.DenseI64ArrayAttr.get([w]))
+                # words 0-1 lie in the thread's first scale group, 2-3 in its second
+                # (NVFP4 at bk = 128; elsewhere both carrier slots hold the same factor)
+                f = fac.registers[0, w // 2, 0, 0, i, 0, 0, 0, 0]
+                for p in range(4):  # nibbles p (low half) and p + 4 (high half)
+                    mag, sign = 9 - 4 * p, 12 - 4 * p
+                    shift = lambda x, s: (arith.shli(x, _i32(s)) if s > 0  # noqa: E731
+                                          else arith.shrui(x, _i32(-s)) if s < 0 else x)
+                    bits = arith.ori(arith.andi(shift(word, mag), _i32(_F16X2_MAG)),
+                                     arith.andi(shift(word, sign), _i32(_F16X2_SIGN)))
+                    val = arith.mulf(mgpu.utils.bitcast(bits, f16x2), f)
+                    regs[2 * w + p // 2][0, p % 2, 0, 0, i, 0, 0, 0, 0] = val
+        return tuple(mgpu.FragmentedArray(_registers=r, _layout=mgpu.WGMMA_LAYOUT,
+                                          _is_signed=None) for r in regs)
+
+    return convert(w_smem, factors)
+
+
 _W_DTYPE = {"bf16": (jnp.bfloat16,), "fp8": (jnp.float8_e4m3fn,),
             "nvfp4": (jnp.uint8,), "mxfp4": (jnp.uint8,)}
 FORMATS = tuple(_W_DTYPE)  # the kernels' format names
@@ -386,24 +583,11 @@ def unsupported_reason(fmt: str, w_dtype, n: int, k: int, *,
     return None
 
 
-def split_fp4_activations(a: jax.Array) -> jax.Array:
-    """``a [R, K]`` -> the FP4 kernels' activation order: per 32 K columns (one 16-byte chunk
-    of codes) ``[even 16 | odd 16]``, the columns of the low and of the high nibbles."""
-    r, k = a.shape
-    return jnp.swapaxes(a.reshape(r, k // 32, 16, 2), -1, -2).reshape(r, k)
-
-
-def _natural_order(a: jax.Array) -> jax.Array:
-    """The inverse of ``split_fp4_activations``."""
-    r, k = a.shape
-    return jnp.swapaxes(a.reshape(r, k // 32, 2, 16), -1, -2).reshape(r, k)
-
-
 @functools.partial(jax.jit, static_argnames=("fmt", "fp8_block", "tile", "interpret"))
 def slot_matmul(
     work: jax.Array,  # [3, W] int32: expert (>= E: unused), first sorted row, row count <= 16
     a: jax.Array,  # [R, K] (activation_dtype), sorted rows; R >= window_rows(P) for items
-    #   over the rows [0, P); FP4: in split_fp4_activations' order
+    #   over the rows [0, P); FP4: permute_fp4_activations(., tile.block_k)
     w: jax.Array,  # [E, N, K] e4m3 | bf16, or FP4 codes [E, N, K/2] u8
     scale: jax.Array | None = None,  # FP8: [E, cdiv(N, b0), cdiv(K, b1)] f32; NVFP4:
     #   [E, N, K/16] e4m3; MXFP4: [E, N, K/32] u8 (E8M0)
@@ -503,15 +687,13 @@ def slot_matmul(
 
 def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, fmt: str | None = None,
                           fp8_block=None) -> jax.Array:
-    """Plain jnp: ``[R, N]`` f32, every row of every item (rows no item owns: 0); ``a`` as
-    ``slot_matmul`` takes it (FP4: in the expanded order)."""
+    """Plain jnp: ``[R, N]`` f32, every row of every item (rows no item owns: 0); ``a`` in the
+    natural K order (``slot_matmul`` takes FP4 activations permuted)."""
     fmt = format_name(fmt, w.dtype)
     wfmt = {name: f for f, name in _FMT_NAMES.items()}[fmt]
     wf = dequantize_weights(w, wfmt, scale=scale, global_scale=global_scale,
                             block_size=fp8_block or (128, 128))  # [E, N, K] f32
     af = a.astype(jnp.float32)
-    if fmt in ("nvfp4", "mxfp4"):  # back to the natural K order
-        af = _natural_order(af)
     r = jnp.arange(a.shape[0], dtype=jnp.int32)
     expert, start, count = work
     owner = (r[:, None] >= start[None, :]) & (r[:, None] < (start + count)[None, :])  # [R, W]
@@ -642,7 +824,7 @@ def moe_decode_mosaic_pairs(
         else:
             a, unscale = _scaled_rows(a)  # f16 rows, [R, 1]
             if packed == 2:
-                a = split_fp4_activations(a)
+                a = permute_fp4_activations(a, tile.block_k)
         out = slot_matmul(work, a, w, scale, extra_stack, global_scale, fmt=fmt,
                           fp8_block=fp8_block, tile=tile, interpret=interpret)
         return out if unscale is None else out * unscale
