@@ -130,7 +130,7 @@ def _kernel(
     *rest,  # per stack (main, [extra]): w [E, N, K] e4m3 | bf16, or [E, N, K/2] u8
     #   (FP4); FP8: scale [E, cdiv(N, b0), cdiv(K, b1)] f32; NVFP4: scale [E, N, K/16] e4m3,
     #   global [E, R] f32; MXFP4: scale [E, N, K/32] u8. Then out [R, N] f32, o_smem
-    #   [WINDOW, bn] f32, [w_stage (interpret mode): [bn, bk] (8 / 16 bit) | 2 x [bn, 16]]
+    #   [WINDOW, bn] f32, [w_stage (interpret mode): [bn, bk] 16-bit]
     tile: SlotTile,
     fmt: str,  # "bf16" | "fp8" | "nvfp4" | "mxfp4"
     fp8_block: tuple[int, int] | None,
@@ -152,34 +152,31 @@ def _kernel(
     n0 = pl.multiple_of(nt * bn, bn)
     a_dtype = a_gmem.dtype
 
+    def staged(w):
+        """``w`` as the wgmma's A operand: in registers, or (interpreter, whose wgmma reads A
+        from SMEM only) through SMEM."""
+        if not stage_w:
+            return w
+        w_stage[0][...] = w
+        plgpu.commit_smem()
+        return w_stage[0]
+
     def operand(w_smem):
         """The weight tile as the wgmma's A operand: [bn, bk] in registers (e4m3 -> f16)."""
         w = w_smem[...]
-        if w.dtype != a_dtype:
-            w = w.astype(a_dtype)
-        if stage_w:  # the interpreter's wgmma reads A from SMEM only
-            w_stage[0][...] = w
-            plgpu.commit_smem()
-            w = w_stage[0]
-        return w
+        return staged(w if w.dtype == a_dtype else w.astype(a_dtype))
 
     fp4 = fmt in ("nvfp4", "mxfp4")
-    if fp4:
-        # 16-byte column slices of both tiles: codes unswizzled in 16-byte tiles, activations
-        # with the 32-byte swizzle (16 f16 a row of a tile)
-        w_spec = plgpu.BlockSpec((bn, bk // 2), lambda kb: (0, kb), transforms=_CODE_TRANSFORMS)
-        a_spec = plgpu.BlockSpec((WINDOW, bk), lambda kb: (0, kb),
-                                 transforms=_transforms(32, 2))
-    else:
-        w_spec = plgpu.BlockSpec((bn, bk), lambda kb: (0, kb),
-                                 transforms=_transforms(bk * w_dtype.itemsize,
-                                                        w_dtype.itemsize))
-        # 16-bit weights: the wgmma of step kb still reads its activation tile while step
-        # kb + 1 runs (delay_release), each step waits only for the one before.
-        a_spec = plgpu.BlockSpec((WINDOW, bk), lambda kb: (0, kb),
-                                 transforms=_transforms(bk * a_dtype.itemsize,
-                                                        a_dtype.itemsize),
-                                 delay_release=1 if fmt == "bf16" else 0)
+    # codes: 16-byte tiles, unswizzled (a thread's SMEM vector load); activations: the widest
+    # swizzle (K-major wgmma B operand)
+    w_spec = plgpu.BlockSpec((bn, bk // 2 if fp4 else bk), lambda kb: (0, kb),
+                             transforms=_CODE_TRANSFORMS if fp4 else _transforms(
+                                 bk * w_dtype.itemsize, w_dtype.itemsize))
+    # 16-bit weights: the wgmma of step kb still reads its activation tile while step kb + 1
+    # runs (delay_release), each step waits only for the one before.
+    a_spec = plgpu.BlockSpec((WINDOW, bk), lambda kb: (0, kb),
+                             transforms=_transforms(bk * a_dtype.itemsize, a_dtype.itemsize),
+                             delay_release=1 if fmt == "bf16" else 0)
 
     def scaled_steps(w_tile, a_tile, scale_ref, e):
         """FP8: each step's partial (its own accumulator) times the step's block scale, the
@@ -231,12 +228,10 @@ def _kernel(
             (kb,) = idx
             acc, scales = carry
             scales_next = scales_of(jnp.minimum(kb + 1, num_steps - 1))
-            ops = operands_of(w_smem, scales[0])
+            w = staged(operands_of(w_smem, scales[0]))  # [bn, bk] f16, operand order
 
             def mma(part):
-                for h, op in enumerate(ops):
-                    cols = a_smem.at[:, pl.ds(16 * h, 16)]
-                    plgpu.wgmma(part, as_operand(op, h % 2), cols.transpose((1, 0)))
+                plgpu.wgmma(part, w, a_smem.transpose((1, 0)))  # [bn, bk] x [bk, WINDOW]
                 return part[...]
 
             part = pl.run_scoped(mma, plgpu.ACC((bn, WINDOW), jnp.float32))
@@ -253,15 +248,6 @@ def _kernel(
             return acc
         # NVFP4: the operands held e2m1 * s * 2^-7 (_NVFP4_FACTOR_SHIFT)
         return acc * (global_ref[e, lax.div(n0, global_rows)] * 2.0**_NVFP4_FACTOR_SHIFT)
-
-    def as_operand(f, i):
-        """``f`` as a wgmma A operand: in registers, or (interpreter) staged in SMEM buffer i,
-        which the interpreter's synchronous wgmma has read before the buffer is reused."""
-        if not stage_w:
-            return f
-        w_stage[i][...] = f
-        plgpu.commit_smem()
-        return w_stage[i]
 
     def plain_steps(w_tile, a_tile):
         """16-bit weights: one accumulator, wgmma kept in flight across steps."""
@@ -403,8 +389,7 @@ def _fp4_operands_jnp(w_smem, factors):
     codes = w_smem[...].astype(jnp.int32)  # [bn, bk / 2]
     bn, bk = codes.shape[0], 2 * codes.shape[1]
     nibbles = jnp.stack([codes & 15, codes >> 4], axis=-1).reshape(bn, bk)  # K order
-    f = _to_operand_order(e2m1_to_f16_scaled(nibbles)) * factors
-    return [f[:, 16 * h:16 * h + 16] for h in range(bk // 16)]
+    return _to_operand_order(e2m1_to_f16_scaled(nibbles)) * factors
 
 
 def _i32(v):
@@ -500,22 +485,22 @@ def _fp4_scales_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
 
 
 def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
-    """The code tile ``w_smem [bn, bk / 2]`` (``_CODE_TRANSFORMS``) -> ``bk / 16`` f16 A
-    operands ``[bn, 16]`` (WGMMA layout) with the step's factors (``_fp4_scales_inline``'s
-    carrier) multiplied in; operand h's columns hold K columns ``fp4_operand_order``."""
+    """The code tile ``w_smem [bn, bk / 2]`` (``_CODE_TRANSFORMS``) -> the f16 A operand
+    ``[bn, bk]`` (WGMMA layout) with the step's factors (``_fp4_scales_inline``'s carrier)
+    multiplied in; its columns hold K columns ``fp4_operand_order``."""
     bn, bk = tile.block_n, tile.block_k
     words = bk // 32  # 32-bit words a thread reads of a row
-    operand = plgpu.ShapeDtypeStruct((bn, 16), jnp.float16, layout=plgpu.Layout.WGMMA)
+    operand = plgpu.ShapeDtypeStruct((bn, bk), jnp.float16, layout=plgpu.Layout.WGMMA)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_CODE_TRANSFORMS), plgpu.Layout.WGMMA),
-                       return_type=(operand,) * (bk // 16))
+                       return_type=operand)
     def convert(_, ref, fac):
         i32 = ir.IntegerType.get_signless(32)
         f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
         row, quad = _thread_rows()
         ptr = mgpu.utils.memref_ptr(ref)
-        regs = [np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, 16)), object)
-                for _ in range(bk // 16)]
+        # register [0, b, 0, 0, i, ...]: row half i, columns 8b + 2c, 8b + 2c + 1
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, bk)), object)
         first = arith.muli(quad, _i32(bk // 8))  # the thread's first byte of a row
         col_tile, col_byte = arith.divui(first, _i32(16)), arith.remui(first, _i32(16))
         for i in range(2):
@@ -531,16 +516,16 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
                 # words 0-1 lie in the thread's first scale group, 2-3 in its second
                 # (NVFP4 at bk = 128; elsewhere both carrier slots hold the same factor)
                 f = fac.registers[0, w // 2, 0, 0, i, 0, 0, 0, 0]
-                for p in range(4):  # nibbles p (low half) and p + 4 (high half)
+                for p in range(4):  # nibbles p (low half) and p + 4 (high half): operand
+                    # 2w + p // 2, column block p % 2 (see fp4_operand_order)
                     mag, sign = 9 - 4 * p, 12 - 4 * p
                     shift = lambda x, s: (arith.shli(x, _i32(s)) if s > 0  # noqa: E731
                                           else arith.shrui(x, _i32(-s)) if s < 0 else x)
                     bits = arith.ori(arith.andi(shift(word, mag), _i32(_F16X2_MAG)),
                                      arith.andi(shift(word, sign), _i32(_F16X2_SIGN)))
                     val = arith.mulf(mgpu.utils.bitcast(bits, f16x2), f)
-                    regs[2 * w + p // 2][0, p % 2, 0, 0, i, 0, 0, 0, 0] = val
-        return tuple(mgpu.FragmentedArray(_registers=r, _layout=mgpu.WGMMA_LAYOUT,
-                                          _is_signed=None) for r in regs)
+                    regs[0, 4 * w + p, 0, 0, i, 0, 0, 0, 0] = val
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     return convert(w_smem, factors)
 
@@ -663,13 +648,8 @@ def slot_matmul(
                                  f"{n // global_rows}] f32")
             operands.append(gs.reshape(ws.shape[0], -1).astype(jnp.float32))
     bn, bk = tile.block_n, tile.block_k
-    if not interpret:
-        stage = []
-    elif fp4:
-        stage = [plgpu.SMEM((bn, 16), jnp.float16, transforms=_transforms(32, 2))] * 2
-    else:
-        stage = [plgpu.SMEM((bn, bk), a.dtype,
-                            transforms=_transforms(bk * a.dtype.itemsize, a.dtype.itemsize))]
+    stage = [plgpu.SMEM((bn, bk), a.dtype, transforms=_transforms(
+        bk * a.dtype.itemsize, a.dtype.itemsize))] if interpret else []
     kernel = plgpu.kernel(
         functools.partial(_kernel, tile=tile, fmt=fmt, fp8_block=fp8_block,
                           global_rows=global_rows or 0, k=k, num_stacks=len(stacks),
