@@ -167,10 +167,10 @@ def _kernel(
         return staged(w if w.dtype == a_dtype else w.astype(a_dtype))
 
     fp4 = fmt in ("nvfp4", "mxfp4")
-    # codes: 16-byte tiles, unswizzled (a thread's SMEM vector load); activations: the widest
+    # codes: a swizzled tile a row (a thread's SMEM vector loads); activations: the widest
     # swizzle (K-major wgmma B operand)
     w_spec = plgpu.BlockSpec((bn, bk // 2 if fp4 else bk), lambda kb: (0, kb),
-                             transforms=_CODE_TRANSFORMS if fp4 else _transforms(
+                             transforms=_code_transforms(bk) if fp4 else _transforms(
                                  bk * w_dtype.itemsize, w_dtype.itemsize))
     # 16-bit weights: the wgmma of step kb still reads its activation tile while step kb + 1
     # runs (delay_release), each step waits only for the one before.
@@ -210,12 +210,11 @@ def _kernel(
         return acc
 
     def fp4_steps(w_tile, a_tile, scale_ref, global_ref, e):
-        """NVFP4 / MXFP4: each step's codes become ``bk / 16`` f16 A operands with their scales
-        folded in (``_fp4_operands``), dotted into one partial per step; MXFP4's partial is
-        multiplied by its rows' ``2^(s_max - 127 + 14)``. The scales of step kb + 1 are
-        loaded during step kb."""
+        """NVFP4 / MXFP4: each step's codes become one ``[bn, bk]`` f16 A operand with the
+        scales folded in (``_fp4_operands_inline``). NVFP4 accumulates every step in one
+        accumulator; MXFP4 dots each step into a partial multiplied by its rows'
+        ``2^(s_max - 127 + 14)``. The scales of step kb + 1 are loaded during step kb."""
         num_steps = k // bk
-        mx = fmt == "mxfp4"
         if stage_w:
             scales_of = functools.partial(_fp4_scales_jnp, scale_ref, e, n0, fmt=fmt, tile=tile)
             operands_of = _fp4_operands_jnp
@@ -224,29 +223,47 @@ def _kernel(
                                           + n0, fmt=fmt, tile=tile)
             operands_of = functools.partial(_fp4_operands_inline, tile=tile)
 
-        def step(idx, w_smem, a_smem, carry):
-            (kb,) = idx
-            acc, scales = carry
+        def operand_and_next(kb, w_smem, scales):
+            """(this step's operand, the scales of the next step)."""
             scales_next = scales_of(jnp.minimum(kb + 1, num_steps - 1))
-            w = staged(operands_of(w_smem, scales[0]))  # [bn, bk] f16, operand order
+            return staged(operands_of(w_smem, scales[0])), scales_next
 
-            def mma(part):
-                plgpu.wgmma(part, w, a_smem.transpose((1, 0)))  # [bn, bk] x [bk, WINDOW]
-                return part[...]
+        if fmt == "mxfp4":
+            def step(idx, w_smem, a_smem, carry):
+                acc, scales = carry
+                w, scales_next = operand_and_next(idx[0], w_smem, scales)
 
-            part = pl.run_scoped(mma, plgpu.ACC((bn, WINDOW), jnp.float32))
-            if mx:
-                part = part * lax.broadcast_in_dim(scales[1], (bn, WINDOW), [0])
-            return acc + part, scales_next
+                def mma(part):
+                    plgpu.wgmma(part, w, a_smem.transpose((1, 0)))  # [bn, bk] x [bk, WINDOW]
+                    return part[...]
 
-        zeros = plgpu.layout_cast(jnp.zeros((bn, WINDOW), jnp.float32), plgpu.Layout.WGMMA)
-        acc, _ = plgpu.emit_pipeline(
-            step, grid=(num_steps,), in_specs=[w_spec, a_spec],
-            max_concurrent_steps=tile.num_stages, init_carry=(zeros, scales_of(0)),
-        )(w_tile, a_tile)
-        if global_ref is None:
+                part = pl.run_scoped(mma, plgpu.ACC((bn, WINDOW), jnp.float32))
+                return acc + part * lax.broadcast_in_dim(scales[1], (bn, WINDOW), [0]), \
+                    scales_next
+
+            zeros = plgpu.layout_cast(jnp.zeros((bn, WINDOW), jnp.float32), plgpu.Layout.WGMMA)
+            acc, _ = plgpu.emit_pipeline(
+                step, grid=(num_steps,), in_specs=[w_spec, a_spec],
+                max_concurrent_steps=tile.num_stages, init_carry=(zeros, scales_of(0)),
+            )(w_tile, a_tile)
             return acc
-        # NVFP4: the operands held e2m1 * s * 2^-7 (_NVFP4_FACTOR_SHIFT)
+
+        def nv_step(idx, w_smem, a_smem, carry):
+            acc_ref, scales = carry
+            w, scales_next = operand_and_next(idx[0], w_smem, scales)
+            plgpu.wgmma(acc_ref, w, a_smem.transpose((1, 0)))
+            plgpu.wgmma_wait(0)  # w's registers and the activation tile are free again
+            return acc_ref, scales_next
+
+        def run(acc_ref):
+            plgpu.emit_pipeline(
+                nv_step, grid=(num_steps,), in_specs=[w_spec, a_spec],
+                max_concurrent_steps=tile.num_stages, init_carry=(acc_ref, scales_of(0)),
+            )(w_tile, a_tile)
+            return acc_ref[...]
+
+        acc = pl.run_scoped(run, plgpu.ACC((bn, WINDOW), jnp.float32))
+        # the operands held e2m1 * s * 2^-7 (_NVFP4_FACTOR_SHIFT)
         return acc * (global_ref[e, lax.div(n0, global_rows)] * 2.0**_NVFP4_FACTOR_SHIFT)
 
     def plain_steps(w_tile, a_tile):
@@ -327,7 +344,12 @@ def _kernel(
 # ``e2m1 * s * 2^-7`` exact too), MXFP4 ``2^(s - s_max)`` against the largest scale of the row's
 # K step (``e8m0_step_to_f16``; the step's partial is multiplied by ``2^(s_max - 127 + 14)``).
 
-_CODE_TRANSFORMS = (plgpu.TilingTransform((8, 16)),)  # code tiles in SMEM: 16-byte columns
+def _code_transforms(block_k: int):
+    """Code tiles ``[bn, bk / 2]`` u8 in SMEM: one swizzled tile a row (64 or 32 bytes), so a
+    quarter warp's 16-byte (8-byte) row loads meet no bank twice."""
+    return _transforms(block_k // 2, 1)
+
+
 _NVFP4_FACTOR_SHIFT = 7  # NVFP4 factors s * 2^7: f16 operands e2m1 * 2^-14 * s * 2^7
 _F16X2_MAG, _F16X2_SIGN = 0x0E000E00, 0x80008000  # an f16x2's e2m1 magnitude / sign bits
 
@@ -460,13 +482,12 @@ def _fp4_scales_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
                     byte = arith.andi(arith.shrui(word, _i32(8 * b)), _i32(0xFF))
                     top = arith.maxui(top, byte)
                 mine = arith.andi(arith.shrui(word, arith.muli(own, _i32(8))), _i32(0xFF))
-                d = arith.subi(mine, top)  # <= 0: the f16 2^d of e8m0_step_to_f16
-                normal = arith.shli(arith.addi(arith.maxsi(d, _i32(-14)), _i32(15)), _i32(10))
-                sub = arith.shli(_i32(1), arith.minsi(arith.maxsi(arith.addi(d, _i32(24)),
-                                                                  _i32(0)), _i32(9)))
-                ge = lambda x, y: arith.cmpi(arith.CmpIPredicate.sge, x, y)  # noqa: E731
-                bits = arith.select(ge(d, _i32(-14)), normal,
-                                    arith.select(ge(d, _i32(-24)), sub, _i32(0)))
+                # 2^(mine - top) <= 1 as f32 (0 below 2^-126), rounded to f16 by cvt: the
+                # f16 of e8m0_step_to_f16 (subnormal down to 2^-24, 0 below)
+                exp = arith.maxsi(arith.addi(arith.subi(mine, top), _i32(127)), _i32(0))
+                f32 = arith.bitcast(ir.F32Type.get(), arith.shli(exp, _i32(23)))
+                f16 = arith.truncf(ir.F16Type.get(), f32)
+                bits = arith.extui(i32, arith.bitcast(i16, f16))
                 lo = hi = _splat_f16x2(bits)
                 scale_bits = arith.shli(arith.minui(arith.addi(top, _i32(14)), _i32(255)),
                                         _i32(23))  # 2^(s_max - 127 + 14), f32
@@ -485,14 +506,16 @@ def _fp4_scales_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
 
 
 def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
-    """The code tile ``w_smem [bn, bk / 2]`` (``_CODE_TRANSFORMS``) -> the f16 A operand
+    """The code tile ``w_smem [bn, bk / 2]`` (``_code_transforms``) -> the f16 A operand
     ``[bn, bk]`` (WGMMA layout) with the step's factors (``_fp4_scales_inline``'s carrier)
     multiplied in; its columns hold K columns ``fp4_operand_order``."""
     bn, bk = tile.block_n, tile.block_k
     words = bk // 32  # 32-bit words a thread reads of a row
     operand = plgpu.ShapeDtypeStruct((bn, bk), jnp.float16, layout=plgpu.Layout.WGMMA)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_CODE_TRANSFORMS), plgpu.Layout.WGMMA),
+    row_bytes = bk // 2  # = the code tile's swizzle (_code_transforms)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_code_transforms(bk)), plgpu.Layout.WGMMA),
                        return_type=operand)
     def convert(_, ref, fac):
         i32 = ir.IntegerType.get_signless(32)
@@ -502,13 +525,14 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
         # register [0, b, 0, 0, i, ...]: row half i, columns 8b + 2c, 8b + 2c + 1
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, bk)), object)
         first = arith.muli(quad, _i32(bk // 8))  # the thread's first byte of a row
-        col_tile, col_byte = arith.divui(first, _i32(16)), arith.remui(first, _i32(16))
         for i in range(2):
             r = arith.addi(row, _i32(8 * i))
-            # the tiled tile [bn / 8, bk / 32, 8, 16]: (r // 8, column tile, r % 8, byte)
-            tile_at = arith.addi(arith.muli(arith.divui(r, _i32(8)), _i32(bk // 32)), col_tile)
-            at = arith.addi(arith.muli(tile_at, _i32(128)),
-                            arith.addi(arith.muli(arith.remui(r, _i32(8)), _i32(16)), col_byte))
+            # tiles of 8 rows; in a tile, byte t = (r % 8) * row_bytes + first, its 16-byte
+            # chunk XOR-ed with (t // 128) % (row_bytes // 16) (Mosaic GPU's swizzle)
+            t = arith.addi(arith.muli(arith.remui(r, _i32(8)), _i32(row_bytes)), first)
+            chunk = arith.remui(arith.shrui(t, _i32(7)), _i32(row_bytes // 16))
+            t = arith.xori(t, arith.shli(chunk, _i32(4)))
+            at = arith.addi(arith.muli(arith.divui(r, _i32(8)), _i32(8 * row_bytes)), t)
             vec = _load(ptr, at, ir.VectorType.get((words,), i32))
             for w in range(words):
                 word = vector.extract(vec, dynamic_position=[],
