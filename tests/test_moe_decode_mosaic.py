@@ -30,17 +30,22 @@ from pallas_kernels.moe_decode.mosaic import (
     SlotTile,
     _natural_order,
     choose_slot_tile,
-    fp4_operand_order,
     format_name,
+    fp4_operand_order,
     moe_decode_mosaic_pairs,
-    slot_matmul,
     permute_fp4_activations,
+    slot_matmul,
     slot_matmul_reference,
     window_rows,
     work_items,
 )
 from tests.test_moe import make
-from tests.test_moe_decode_kernel import make_weights, rel_err, routing
+from tests.test_moe_decode_kernel import (
+    make_weights,
+    rel_err,
+    routing,
+    with_spread_mxfp4_scales,
+)
 
 ops_decode = importlib.import_module("atlas_jax.ops.moe_decode")  # the module, not the function
 E, H, I = 6, 192, 128
@@ -140,6 +145,25 @@ def check_slot_matmul(fmt, k, *, compiled: bool):
         assert np.isnan(out[~owned]).all(), "a row no item owns was written"
     np.testing.assert_allclose(out[owned], ref[owned], rtol=1e-5,
                                atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
+def test_fp4_rows_and_scales_far_apart(fmt):
+    """Rows spanning 1e-4 .. 1e4 (each scaled into f16 by its own power of two) and, for
+    MXFP4, E8M0 scales spread over 2^-50 .. 2^10 within K steps (each step's factors are
+    2^(s - s_max): its small blocks fall to f16 subnormals or 0, which must not show): every
+    (token, slot) row matches the reference on its own."""
+    t, k = 6, 2
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((t, H)) * np.logspace(-4, 4, t)[:, None]
+    x = jnp.asarray(x.astype(ml_dtypes.bfloat16))
+    kw = arrays(fmt)
+    if fmt is MXFP4:
+        kw = with_spread_mxfp4_scales(kw, rng, 77, 138)
+    ids = routing("random", t, k, seed=2)
+    out = moe_decode_mosaic_pairs(x, ids, **kw, interpret=True)
+    ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw)
+    assert_pairs_close(out, ref, ids, E, tol=5e-3)
 
 
 @pytest.mark.parametrize("pattern", ["random", "repeated", "one_expert", "zero_experts",
@@ -320,8 +344,8 @@ def test_moe_forward_mosaic_equals_triton_and_xla(name, fmt, tokens):
 
 
 def test_decode_kernel_choice_and_errors(monkeypatch):
-    """"auto" takes Mosaic GPU for FP8 W8A16 on sm_90 only (FP4 on Mosaic GPU is opt-in until
-    it is timed); "mosaic" raises naming the reason for what it cannot run."""
+    """"auto" takes Mosaic GPU on sm_90 for FP8 W8A16 and, from MOSAIC_FP4_MIN_TOKENS tokens
+    on, for NVFP4 / MXFP4; "mosaic" raises naming the reason for what it cannot run."""
     from pallas_kernels import grouped_matmul as gm
 
     fp8 = _make(name="qwen3", fmt=Format.FP8_BLOCK, dtype=jnp.bfloat16, **LAYER)
@@ -330,19 +354,25 @@ def test_decode_kernel_choice_and_errors(monkeypatch):
     none = dict(gate_up_act_quant=ActQuant.NONE, down_act_quant=ActQuant.NONE)
     auto = aj.KernelConfig()
 
-    def use(params, kernels, cc=(9, 0)):
+    def use(params, kernels, cc=(9, 0), tokens=2):
         monkeypatch.setattr(ops_decode, "interpret_mode", lambda: False)
         monkeypatch.setattr(gm, "device_compute_capability", lambda: cc)
-        return ops_decode._use_mosaic(x, params.gate_up, params.down, kernels, none)
+        xt = jnp.zeros((tokens, 128), jnp.bfloat16)
+        return ops_decode._use_mosaic(xt, params.gate_up, params.down, kernels, none)
 
     assert use(fp8, auto)
     assert not use(bf16, auto)  # BF16: the Triton kernels measured as fast or faster
     assert not use(fp8, auto, cc=(10, 0))
     assert not use(fp8, TRITON)
     assert use(bf16, MOSAIC)
-    nvfp4 = _make(name="qwen3", fmt=Format.NVFP4, dtype=jnp.bfloat16, **LAYER)
-    assert not use(nvfp4, auto)
-    assert use(nvfp4, MOSAIC)
+    many = ops_decode.MOSAIC_FP4_MIN_TOKENS
+    for fmt in (Format.NVFP4, Format.MXFP4):
+        fp4 = _make(name="gpt_oss" if fmt is Format.MXFP4 else "qwen3", fmt=fmt,
+                    dtype=jnp.bfloat16, **LAYER)
+        assert not use(fp4, auto, tokens=many - 1)  # few tokens: Triton
+        assert use(fp4, auto, tokens=many)
+        assert not use(fp4, auto, tokens=many, cc=(12, 0))
+        assert use(fp4, MOSAIC)
     monkeypatch.undo()
 
     w8a8 = _make(name="qwen3", fmt=Format.FP8_BLOCK, dtype=jnp.bfloat16, **LAYER,

@@ -136,11 +136,17 @@ def mosaic_unsupported_reason(x: jax.Array, gate_up: QTensor, down: QTensor,
     return None
 
 
+# "auto" takes the Mosaic GPU FP4 kernels from this many tokens on: on the H200 they measured
+# 1.08-1.33x the Triton steps at 8-64 tokens, 0.86-1.26x at 1 (Qwen3 slower); 2-7 not timed.
+MOSAIC_FP4_MIN_TOKENS = 8
+
+
 def _use_mosaic(x, gate_up: QTensor, down: QTensor, kernels: KernelConfig | None,
                 quant: dict) -> bool:
-    """KernelConfig.decode_kernel, with "auto" resolved: Mosaic GPU on an sm_90 GPU for FP8_BLOCK
-    weights without W8A8 when it supports the shapes (BF16 stays on Triton: even at 8-64
-    tokens, slower at 1-2 on the H200; FP4 on Mosaic GPU is not timed yet)."""
+    """KernelConfig.decode_kernel, with "auto" resolved: Mosaic GPU on an sm_90 GPU, where it
+    supports the shapes, for FP8_BLOCK weights without W8A8 and for NVFP4 / MXFP4 from
+    ``MOSAIC_FP4_MIN_TOKENS`` tokens on (BF16 stays on Triton: even at 8-64 tokens, slower at
+    1-2 on the H200)."""
     match (kernels or KernelConfig()).decode_kernel:
         case GmmKernel.TRITON:
             return False
@@ -151,8 +157,11 @@ def _use_mosaic(x, gate_up: QTensor, down: QTensor, kernels: KernelConfig | None
 
             if interpret_mode() or device_compute_capability() != (9, 0):
                 return False
-            return (gate_up.format is Format.FP8_BLOCK
-                    and mosaic_unsupported_reason(x, gate_up, down, **quant) is None)
+            fp4 = gate_up.format in (Format.NVFP4, Format.MXFP4)
+            if not (gate_up.format is Format.FP8_BLOCK
+                    or fp4 and x.shape[0] >= MOSAIC_FP4_MIN_TOKENS):
+                return False
+            return mosaic_unsupported_reason(x, gate_up, down, **quant) is None
 
 
 def _weight_kwargs(gate_up: QTensor, down: QTensor, extra, epilogue: GateUp) -> dict:

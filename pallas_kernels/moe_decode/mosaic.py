@@ -30,17 +30,17 @@ Formats: FP8_BLOCK (e4m3 weights, f32 block scales ``[E, cdiv(N, b0), cdiv(K, b1
 step's partial is multiplied by its block scale; 64 divides ``b0`` and ``block_k`` divides
 ``b1``) with f16 activations scaled per row by a power of two into f16 range (exact for bf16
 inputs, as the Triton kernels' ``f16_dot`` route), and BF16 weights with bf16 activations.
-NVFP4 and MXFP4 (``[E, N, K/2]`` u8 codes, low nibble = even k): per 16-byte chunk of codes
-(32 K columns), the low and the high nibbles become two f16 A operands by bit placement
-(``e2m1 * 2^-14``, exact), each dotted (K = 16) with the chunk's even / odd activation columns
-(``split_fp4_activations``) into the accumulator of its scale group; each group's f32 partial
-is multiplied by that group's scale per weight row (e4m3 -> f32, or E8M0 -> 2^(s-127), read
-from global memory one step ahead) and the accumulator by ``2^14`` times the NVFP4 global
-scale at the end. An MXFP4 chunk is one scale group; an NVFP4 chunk holds two (columns 0-7
-and 8-15 of each nibble operand), dotted separately with the other group's columns zeroed in
-registers. The codes keep the checkpoint's layout; only the (small) activations are
-reordered. FP4 on Mosaic GPU is lowered and checked (interpreter, ``jax.export`` for sm_90)
-but not yet timed on a GPU: ``KernelConfig.decode_kernel="auto"`` does not pick it.
+NVFP4 and MXFP4 (``[E, N, K/2]`` u8 codes, low nibble = even k): the code tile goes to SMEM by
+TMA (one swizzled tile a row); an ``inline_mgpu`` block (``_fp4_operands_inline``) gives each
+thread its own bytes of its two rows (one SMEM vector load a row) and makes each f16x2 of the
+A operand from one 32-bit word by bit placement (``e2m1 * 2^-14``), times a per-row factor of
+the word's scale group: NVFP4 ``s * 2^7`` (exact in f16), MXFP4 ``2^(s - s_max)`` against the
+largest E8M0 scale of the row's K step (the step's partial then times ``2^(s_max - 127 +
+14)``). The column order that needs no shuffles (``fp4_operand_order``) is applied to the
+activations instead (``permute_fp4_activations``). One wgmma a K step; NVFP4 accumulates in
+one accumulator, times ``2^7`` and the global scale at the end. The scales come from global
+memory, one 8/16/32-bit load a row and step, a step ahead. The codes keep the checkpoint's
+layout. Interpret mode builds the same operands with jnp (``_fp4_operands_jnp``).
 
 The full decode step (``moe_decode_mosaic_pairs``): plan -> work items -> x rows gathered in
 sorted order and scaled (XLA) -> gate_up launch -> activation, h rows scaled (XLA) -> down
@@ -126,7 +126,7 @@ def _stack_size(fmt: str) -> int:
 def _kernel(
     work_gmem,  # [3, W] int32: expert id (>= E + E2: unused item), first sorted row, row count
     a_gmem,  # [R, K] f16 | bf16: activations in sorted-row order (R >= window_rows(P)); FP4:
-    #   in the order of ``split_fp4_activations``
+    #   permute_fp4_activations(., bk)
     *rest,  # per stack (main, [extra]): w [E, N, K] e4m3 | bf16, or [E, N, K/2] u8
     #   (FP4); FP8: scale [E, cdiv(N, b0), cdiv(K, b1)] f32; NVFP4: scale [E, N, K/16] e4m3,
     #   global [E, R] f32; MXFP4: scale [E, N, K/32] u8. Then out [R, N] f32, o_smem
