@@ -9,7 +9,8 @@ weights and scales; ``frac_hbm`` is MB / time over the HBM copy bandwidth measur
 run. A correctness step first compares both paths with the plain-jnp reference on the GPU.
 
     python benchmarks/moe_decode_mosaic.py [--shapes ...] [--formats fp8 bf16] [--tokens ...]
-                                           [--stages 2 3 4 6] [--profile] [--out FILE]
+                                           [--stages 2 3 4 6] [--k-splits 1,1 auto 2,2]
+                                           [--profile] [--out FILE]
 """
 
 from __future__ import annotations
@@ -73,14 +74,15 @@ def _inputs(cfg, tokens: int, n: int = ROTATE):
     return xs
 
 
-def _steps(fmt: str, static: dict, tiles=None):
+def _steps(fmt: str, static: dict, tiles=None, k_splits=(1, 1)):
     def triton(arrays, inp):
         x, ids, w = inp
         return moe_decode(x, ids, w, **arrays, **static)
 
     def mosaic(arrays, inp):
         x, ids, w = inp
-        pairs = moe_decode_mosaic_pairs(x, ids, **arrays, **static, tile=tiles)
+        pairs = moe_decode_mosaic_pairs(x, ids, **arrays, **static, tile=tiles,
+                                        k_splits=k_splits)
         return jnp.sum(w[..., None] * pairs, axis=1)
 
     return triton, mosaic
@@ -107,8 +109,8 @@ def check(shapes, formats) -> list[dict]:
     return rows
 
 
-def bench(shapes, formats, token_counts, stages, *, hbm: float, profile: bool = False
-          ) -> list[dict]:
+def bench(shapes, formats, token_counts, stages, *, hbm: float, profile: bool = False,
+          k_splits=((1, 1),)) -> list[dict]:
     rows = []
     for shape in shapes:
         for fmt in formats:
@@ -123,7 +125,10 @@ def bench(shapes, formats, token_counts, stages, *, hbm: float, profile: bool = 
                 for s in stages:
                     tiles = (choose_slot_tile(cfg.hidden_size, s),
                              choose_slot_tile(cfg.intermediate_size, s))
-                    variants[f"mosaic_s{s}"] = _steps(fmt, static, tiles)[1]
+                    for splits in k_splits:
+                        name = f"mosaic_s{s}" + ("" if splits == (1, 1) else "_k" + (
+                            splits if isinstance(splits, str) else "x".join(map(str, splits))))
+                        variants[name] = _steps(fmt, static, tiles, splits)[1]
                 for name, fn in variants.items():
                     try:
                         t = time_scan(fn, arrays, xs)
@@ -145,6 +150,16 @@ def bench(shapes, formats, token_counts, stages, *, hbm: float, profile: bool = 
     return rows
 
 
+def _splits(text: str):
+    if text == "auto":
+        return text
+    try:
+        gate_up, down = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'G,D' or 'auto', got {text!r}") from None
+    return gate_up, down
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -153,6 +168,9 @@ def main() -> None:
                         choices=list(WEIGHT_FORMATS))
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64])
     parser.add_argument("--stages", nargs="+", type=int, default=[4])
+    parser.add_argument("--k-splits", nargs="+", type=_splits, default=[(1, 1)],
+                        help="K splits of the Mosaic launches, each 'G,D' (gate_up, down) or "
+                             "'auto' (choose_k_splits), e.g. --k-splits 1,1 auto 2,2")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--profile", action="store_true",
                         help="print each variant's kernels with their GPU time")
@@ -167,7 +185,7 @@ def main() -> None:
     hbm = hbm_copy_bandwidth()
     print(f"HBM copy {hbm / 1e12:.2f} TB/s", flush=True)
     rows = bench(args.shapes, args.formats, args.tokens, args.stages, hbm=hbm,
-                 profile=args.profile)
+                 profile=args.profile, k_splits=args.k_splits)
     cols = sorted({c for r in rows for c in r}, key=lambda c: list(rows[0]).index(c)
                   if c in rows[0] else 99)
     out.append(f"HBM copy {hbm / 1e12:.2f} TB/s\n\n" + table(rows, cols))

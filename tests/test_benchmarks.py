@@ -106,3 +106,16 @@ def test_paged_attention_case_flag():
     for bad in ("1,2,3", "1,32768,32,4,128,int8", "1,32768,30,4,128,fp8", "a,b,c,d,e,fp8"):
         with pytest.raises(SystemExit):
             pa._parse_case(bad, parser)
+
+
+def test_moe_decode_mosaic_k_splits_flag():
+    """``--k-splits``: 'G,D' pairs or 'auto'; anything else is a usage error."""
+    import argparse
+
+    from benchmarks.moe_decode_mosaic import _splits
+
+    assert _splits("2,3") == (2, 3)
+    assert _splits("auto") == "auto"
+    for bad in ("2", "a,b", "1,2,3"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected 'G,D'"):
+            _splits(bad)

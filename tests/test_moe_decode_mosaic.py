@@ -29,6 +29,7 @@ from pallas_kernels.moe_decode.mosaic import (
     ROWS,
     SlotTile,
     _natural_order,
+    choose_k_splits,
     choose_slot_tile,
     format_name,
     fp4_operand_order,
@@ -102,23 +103,26 @@ def assert_pairs_close(out, ref, ids, num_experts: int, tol: float = 2e-3):
 
 
 @pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4, MXFP4], ids=lambda f: f.value)
-@pytest.mark.parametrize("k", [128, 192])  # one 128-wide step; three 64-wide steps
-def test_slot_matmul_writes_exactly_its_rows(fmt, k):
+@pytest.mark.parametrize("k,k_splits", [(128, 1), (192, 1), (192, 3)])  # one 128-wide step;
+#   three 64-wide steps, in one program or three
+def test_slot_matmul_writes_exactly_its_rows(fmt, k, k_splits):
     """Items start at rows that are not multiples of 8 (windows read rows of their
     neighbours), hold 1..16 rows (every set bit of the store), two column tiles (NVFP4: each
-    with its own global scale); an unused item and rows no item owns: those rows stay NaN."""
-    check_slot_matmul(fmt, k, compiled=False)
+    with its own global scale); an unused item and rows no item owns: those rows stay NaN.
+    K split over programs: each split's scales (FP8 blocks, FP4 groups) at its own steps."""
+    check_slot_matmul(fmt, k, compiled=False, k_splits=k_splits)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
 @pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4, MXFP4], ids=lambda f: f.value)
-@pytest.mark.parametrize("k", [128, 192, 384, 320])  # K steps: 1 x 128, 3 x 64, 3 x 128, 5 x 64
-def test_compiled_slot_matmul_on_gpu(fmt, k):
+@pytest.mark.parametrize("k,k_splits", [(128, 1), (192, 1), (384, 1), (320, 1), (384, 3),
+                                        (320, 5)])  # K steps: 1 x 128, 3 x 64, 3 x 128, 5 x 64
+def test_compiled_slot_matmul_on_gpu(fmt, k, k_splits):
     """The same items through the compiled kernels (operands in registers)."""
-    check_slot_matmul(fmt, k, compiled=True)
+    check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits)
 
 
-def check_slot_matmul(fmt, k, *, compiled: bool):
+def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1):
     rng = np.random.default_rng(3)
     n, p = 128, 45
     w = make_weights(rng, fmt, n, k, e=4, fp8_block=FP8_BLOCK, global_rows=2)
@@ -133,7 +137,8 @@ def check_slot_matmul(fmt, k, *, compiled: bool):
     a_kernel = permute_fp4_activations(a, tile.block_k) if fmt in FP4 else a
     fp8_block = FP8_BLOCK if fmt is FP8 else None
     out = slot_matmul(work, a_kernel, w["w"], scale, None, global_scale, fmt=name,
-                      fp8_block=fp8_block, tile=tile, interpret=not compiled)
+                      fp8_block=fp8_block, tile=tile, k_splits=k_splits,
+                      interpret=not compiled)
     ref = slot_matmul_reference(work, a, w["w"], scale, global_scale, fmt=name,
                                 fp8_block=fp8_block)
     chex.assert_shape(out, (window_rows(p), n))
@@ -223,6 +228,8 @@ def test_slot_matmul_bad_inputs_raise():
     a = jnp.zeros((window_rows(4), 128), jnp.float16)
     with pytest.raises(ValueError, match="one window"):
         slot_matmul(work, a[:10], w, s, fp8_block=FP8_BLOCK)
+    with pytest.raises(ValueError, match="k_splits: expected a positive int dividing the 1 K"):
+        slot_matmul(work, a, w, s, fp8_block=FP8_BLOCK, k_splits=2)
     with pytest.raises(ValueError, match=r"scale: expected \(2, 2, 1\)"):
         slot_matmul(work, a, w, s[:, :1], fp8_block=FP8_BLOCK)
     with pytest.raises(ValueError, match="a: expected"):
@@ -247,8 +254,9 @@ def test_slot_matmul_bad_inputs_raise():
 # The decode step against the reference.
 # ---------------------------------------------------------------------------------------------
 
-CASES = [  # (T, k, format, variant, patterns)
+CASES = [  # (T, k, format, variant, patterns); k_splits: gate_up's 3 K steps in 3 programs
     (1, 4, FP8, dict(), ("random",)),
+    (1, 4, FP8, dict(k_splits=(3, 1)), ("random",)),
     (3, 3, FP8, dict(activation="silu", limit=0.3, bias=True), ("random", "zero_experts")),
     (8, 2, FP8, dict(activation="gpt_oss", gate_up_layout="interleaved", limit=0.5,
                      bias=True), ("repeated", "dup_in_token")),
@@ -261,6 +269,8 @@ CASES = [  # (T, k, format, variant, patterns)
     (8, 2, MXFP4, dict(activation="gpt_oss", gate_up_layout="interleaved", limit=0.5,
                        bias=True), ("repeated", "dup_in_token")),
     (1, 4, MXFP4, dict(), ("random",)),
+    (2, 4, NVFP4, dict(k_splits=(3, 1)), ("random",)),
+    (1, 4, MXFP4, dict(k_splits=(3, 1)), ("random",)),
 ]
 
 
@@ -269,12 +279,24 @@ CASES = [  # (T, k, format, variant, patterns)
 def test_pairs_against_reference(t, k, fmt, variant, patterns):
     variant = dict(variant)
     kw = arrays(fmt, bias=variant.pop("bias", False))
+    splits = variant.pop("k_splits", (1, 1))
     x = x_rows(t)
     for i, pattern in enumerate(patterns):
         ids = routing(pattern, t, k, seed=i)
-        out = moe_decode_mosaic_pairs(x, ids, interpret=True, **kw, **variant)
+        out = moe_decode_mosaic_pairs(x, ids, interpret=True, k_splits=splits, **kw, **variant)
         ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
         assert_pairs_close(out, ref, ids, E)
+
+
+def test_choose_k_splits():
+    """More programs along K only while the (item, 64-row) programs stay near 4 an SM (1.25x
+    slack), keeping >= 2 K steps a program and dividing the steps."""
+    gate_up, down = choose_slot_tile(2048), choose_slot_tile(768)  # Qwen3-30B-A3B
+    assert choose_k_splits(8, 1536, 2048, gate_up) == 2  # 1 token: 192 programs, 16 steps
+    assert choose_k_splits(8, 2048, 768, down) == 2  # 256 programs, 6 steps
+    assert choose_k_splits(128, 1536, 2048, gate_up) == 1  # 64 tokens: 3072 programs
+    assert choose_k_splits(1, 128, 2048, gate_up) == 8  # 2 programs: 8 splits of 2 steps
+    assert choose_k_splits(4, 2880, 2880, choose_slot_tile(2880)) == 3  # 45 steps, 180 progs
 
 
 @pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4], ids=lambda f: f.value)
@@ -396,15 +418,17 @@ class TestLowersForHopper:
     """The Mosaic GPU lowering (layout inference included) of the register-operand build, for
     the model shapes it serves, without a GPU (``jax.export`` for the CUDA platform)."""
 
-    @pytest.mark.parametrize("fmt,n,k", [
-        (FP8, 1536, 2048),  # Qwen3-30B-A3B gate_up
-        (FP8, 2880, 2880),  # gpt-oss-120b down: 64-wide K steps
-        (BF16, 2048, 768),  # Qwen3-30B-A3B down
-        (NVFP4, 1536, 2048),
-        (NVFP4, 2048, 768),
-        (MXFP4, 5760, 2880),  # gpt-oss-120b gate_up
+    @pytest.mark.parametrize("fmt,n,k,k_splits", [
+        (FP8, 1536, 2048, 1),  # Qwen3-30B-A3B gate_up
+        (FP8, 2880, 2880, 1),  # gpt-oss-120b down: 64-wide K steps
+        (FP8, 1536, 2048, 2),  # K over two programs
+        (BF16, 2048, 768, 1),  # Qwen3-30B-A3B down
+        (NVFP4, 1536, 2048, 1),
+        (NVFP4, 2048, 768, 2),
+        (MXFP4, 5760, 2880, 1),  # gpt-oss-120b gate_up
+        (MXFP4, 2880, 2880, 3),
     ], ids=lambda v: getattr(v, "value", v))
-    def test_lowers(self, fmt, n, k):
+    def test_lowers(self, fmt, n, k, k_splits):
         """Main stack and a folded one-expert extra stack, as the decode step launches them."""
         p, e = 64, 8
         name = format_name(fmt, None)
@@ -437,7 +461,7 @@ class TestLowersForHopper:
             w, scale, glob = (*main_, *pad)
             return slot_matmul(work, a, w, scale, (*extra_, *pad), glob, fmt=name,
                                fp8_block=(128, 128) if fmt is FP8 else None,
-                               tile=choose_slot_tile(k))
+                               tile=choose_slot_tile(k), k_splits=k_splits)
 
         text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
         assert "mosaic_gpu" in text

@@ -107,6 +107,22 @@ def choose_slot_tile(k: int, num_stages: int = 4) -> SlotTile:
     return SlotTile(block_k=128 if k % 128 == 0 else 64, num_stages=num_stages)
 
 
+def choose_k_splits(items: int, n: int, k: int, tile: SlotTile, *, sms: int = 132,
+                    per_sm: int = 4) -> int:
+    """Pure heuristic: the largest split of K (a divisor of its steps, at least 2 steps a
+    program) whose ``items * n / 64 * split`` programs stay within 1.25 x ``per_sm`` programs
+    an SM (``items``: the work items expected, e.g. ``min(experts, tokens * top_k)``). Not
+    yet timed on a GPU: ``moe_decode_mosaic_pairs`` takes it only where asked
+    (``k_splits="auto"``)."""
+    steps = k // tile.block_k
+    programs = max(items, 1) * (n // tile.block_n)
+    best = 1
+    for d in range(2, steps // 2 + 1):
+        if steps % d == 0 and programs * d <= 1.25 * per_sm * sms:
+            best = d
+    return best
+
+
 def window_rows(num_rows: int) -> int:
     """Rows the activations need so that every item's window lies inside them: the last
     window starts at most at ``num_rows`` rounded up to 8, minus 8."""
@@ -138,6 +154,7 @@ def _kernel(
     k: int,  # the contraction length (unpacked)
     num_stacks: int,
     stage_w: bool,
+    k_splits: int,  # programs along K: split s dots steps [s * num_steps, (s + 1) * num_steps)
 ):
     per_stack = _stack_size(fmt)
     stacks = [rest[i * per_stack:(i + 1) * per_stack] for i in range(num_stacks)]
@@ -145,9 +162,18 @@ def _kernel(
     w_dtype = stacks[0][0].dtype
     bn, bk = tile.block_n, tile.block_k
     u, nt = lax.axis_index("w"), lax.axis_index("n")
+    num_steps = k // tile.block_k // k_splits  # K steps of this program
+    split = lax.axis_index("s") if k_splits > 1 else None
+
+    def at(kb):
+        """This program's K step ``kb`` -> the step of the whole K."""
+        return kb if split is None else split * num_steps + kb
+
     e = work_gmem[0, u]
     start = work_gmem[1, u]
     num_rows = work_gmem[2, u]  # 0 for an unused item
+    # out [k_splits * R, N]: split s at rows s * R
+    out_row = start if split is None else split * a_gmem.shape[0] + start
     row0 = pl.multiple_of(start - lax.rem(start, 8), 8)  # the window's first row
     n0 = pl.multiple_of(nt * bn, bn)
     a_dtype = a_gmem.dtype
@@ -183,11 +209,10 @@ def _kernel(
         scale of step kb + 1 loaded during step kb (a global load per step on the critical path
         had held the kernel near 55% of HBM on the H200)."""
         b0, b1 = fp8_block
-        num_steps = k // bk
         row_block = lax.div(n0, b0)
 
         def scale_of(kb):
-            return scale_ref[e, row_block, lax.div(jnp.minimum(kb, num_steps - 1) * bk, b1)]
+            return scale_ref[e, row_block, lax.div(at(jnp.minimum(kb, num_steps - 1)) * bk, b1)]
 
         def step(idx, w_smem, a_smem, carry):
             (kb,) = idx
@@ -214,7 +239,6 @@ def _kernel(
         scales folded in (``_fp4_operands_inline``). NVFP4 accumulates every step in one
         accumulator; MXFP4 dots each step into a partial multiplied by its rows'
         ``2^(s_max - 127 + 14)``. The scales of step kb + 1 are loaded during step kb."""
-        num_steps = k // bk
         if stage_w:
             scales_of = functools.partial(_fp4_scales_jnp, scale_ref, e, n0, fmt=fmt, tile=tile)
             operands_of = _fp4_operands_jnp
@@ -225,7 +249,7 @@ def _kernel(
 
         def operand_and_next(kb, w_smem, scales):
             """(this step's operand, the scales of the next step)."""
-            scales_next = scales_of(jnp.minimum(kb + 1, num_steps - 1))
+            scales_next = scales_of(at(jnp.minimum(kb + 1, num_steps - 1)))
             return staged(operands_of(w_smem, scales[0])), scales_next
 
         if fmt == "mxfp4":
@@ -244,7 +268,7 @@ def _kernel(
             zeros = plgpu.layout_cast(jnp.zeros((bn, WINDOW), jnp.float32), plgpu.Layout.WGMMA)
             acc, _ = plgpu.emit_pipeline(
                 step, grid=(num_steps,), in_specs=[w_spec, a_spec],
-                max_concurrent_steps=tile.num_stages, init_carry=(zeros, scales_of(0)),
+                max_concurrent_steps=tile.num_stages, init_carry=(zeros, scales_of(at(0))),
             )(w_tile, a_tile)
             return acc
 
@@ -258,7 +282,7 @@ def _kernel(
         def run(acc_ref):
             plgpu.emit_pipeline(
                 nv_step, grid=(num_steps,), in_specs=[w_spec, a_spec],
-                max_concurrent_steps=tile.num_stages, init_carry=(acc_ref, scales_of(0)),
+                max_concurrent_steps=tile.num_stages, init_carry=(acc_ref, scales_of(at(0))),
             )(w_tile, a_tile)
             return acc_ref[...]
 
@@ -276,7 +300,7 @@ def _kernel(
 
         def run(acc_ref):
             plgpu.emit_pipeline(
-                step, grid=(k // bk,), in_specs=[w_spec, a_spec],
+                step, grid=(num_steps,), in_specs=[w_spec, a_spec],
                 max_concurrent_steps=tile.num_stages, init_carry=acc_ref,
             )(w_tile, a_tile)
             return acc_ref[...]
@@ -285,7 +309,8 @@ def _kernel(
 
     def store_rows(offset):
         """The item's rows ``[offset, offset + num_rows)`` of ``o_smem`` to ``out`` rows
-        ``[start, start + num_rows)``: one TMA store per set bit of ``num_rows`` (<= ROWS)."""
+        ``[out_row, out_row + num_rows)``: one TMA store per set bit of ``num_rows`` (<=
+        ROWS)."""
         done = jnp.int32(0)
         size = ROWS
         while size >= 1:
@@ -293,7 +318,7 @@ def _kernel(
             def _(size=size, done=done):
                 plgpu.copy_smem_to_gmem(
                     o_smem.at[pl.ds(offset + done, size)],
-                    o_gmem.at[pl.ds(start + done, size), pl.ds(n0, bn)])
+                    o_gmem.at[pl.ds(out_row + done, size), pl.ds(n0, bn)])
 
             done = done + (num_rows & size)
             size //= 2
@@ -302,6 +327,10 @@ def _kernel(
         """This item's rows through expert ``e`` of one stack, stored."""
         w_tile = w_gmem.at[e, pl.ds(n0, bn)]
         a_tile = a_gmem.at[pl.ds(row0, WINDOW)]
+        if split is not None:  # this program's K steps
+            w_bk = bk // 2 if fp4 else bk  # weight columns a K step
+            w_tile = w_tile.at[:, pl.ds(at(0) * w_bk, num_steps * w_bk)]
+            a_tile = a_tile.at[:, pl.ds(at(0) * bk, num_steps * bk)]
         match fmt:  # acc [bn, WINDOW]
             case "bf16":
                 acc = plain_steps(w_tile, a_tile)
@@ -592,7 +621,8 @@ def unsupported_reason(fmt: str, w_dtype, n: int, k: int, *,
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "fp8_block", "tile", "interpret"))
+@functools.partial(jax.jit, static_argnames=("fmt", "fp8_block", "tile", "k_splits",
+                                             "interpret"))
 def slot_matmul(
     work: jax.Array,  # [3, W] int32: expert (>= E: unused), first sorted row, row count <= 16
     a: jax.Array,  # [R, K] (activation_dtype), sorted rows; R >= window_rows(P) for items
@@ -607,11 +637,14 @@ def slot_matmul(
     fmt: str | None = None,  # FORMATS; None: from w's dtype (e4m3: fp8, 16-bit: bf16)
     fp8_block: tuple[int, int] | None = None,
     tile: SlotTile = SlotTile(),
+    k_splits: int = 1,
     interpret: bool = False,
 ) -> jax.Array:
     """``out [R, N]`` f32 in sorted-row order, row for row with ``a`` (see the module
     docstring; rows no item owns are not written). Items own rows below ``P`` where ``R >=
     window_rows(P)`` (every item's window inside ``a``: the caller's contract, data-dependent).
+    ``k_splits`` > 1 splits K over that many programs per (item, 64 rows), each with its own
+    output rows, summed here (more programs for few tokens); it must divide ``K / block_k``.
     ``interpret=True`` runs the Mosaic GPU interpreter (CPU tests)."""
     if a.ndim != 2 or w.ndim != 3:
         raise ValueError(f"a, w: expected ranks 2 and 3, got shapes {a.shape}, {w.shape}")
@@ -633,6 +666,9 @@ def slot_matmul(
                                 global_rows=global_rows, tile=tile)
     if reason:
         raise NotImplementedError(reason)
+    if not isinstance(k_splits, int) or k_splits < 1 or (k // tile.block_k) % k_splits:
+        raise ValueError(f"k_splits: expected a positive int dividing the {k // tile.block_k} "
+                         f"K steps, got {k_splits!r}")
     want_a = (rows_a, k)
     if a.shape != want_a or a.dtype != activation_dtype(fmt):
         raise ValueError(f"a: expected {want_a} {activation_dtype(fmt)}, got {a.shape} "
@@ -677,16 +713,17 @@ def slot_matmul(
     kernel = plgpu.kernel(
         functools.partial(_kernel, tile=tile, fmt=fmt, fp8_block=fp8_block,
                           global_rows=global_rows or 0, k=k, num_stacks=len(stacks),
-                          stage_w=interpret),
-        out_type=jax.ShapeDtypeStruct((rows_a, n), jnp.float32),
-        grid=(work.shape[1], n // bn),
-        grid_names=("w", "n"),
+                          stage_w=interpret, k_splits=k_splits),
+        out_type=jax.ShapeDtypeStruct((k_splits * rows_a, n), jnp.float32),
+        grid=(work.shape[1], n // bn) + ((k_splits,) if k_splits > 1 else ()),
+        grid_names=("w", "n") + (("s",) if k_splits > 1 else ()),
         scratch_types=[plgpu.SMEM((WINDOW, bn), jnp.float32)] + stage,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    return kernel(work, a, *operands)
+    out = kernel(work, a, *operands)
+    return out if k_splits == 1 else out.reshape(k_splits, rows_a, n).sum(axis=0)
 
 
 def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, fmt: str | None = None,
@@ -739,7 +776,7 @@ def _scaled_rows(v):
 
 
 _MOSAIC_STATIC = ("fmt", "activation", "gate_up_layout", "limit", "alpha", "block_size", "tile",
-                  "interpret")
+                  "k_splits", "interpret")
 _FMT_NAMES = {WeightFormat.BF16: "bf16", WeightFormat.FP8_BLOCK: "fp8",
               WeightFormat.NVFP4: "nvfp4", WeightFormat.MXFP4: "mxfp4"}
 
@@ -781,6 +818,8 @@ def moe_decode_mosaic_pairs(
     alpha: float = GPT_OSS_ALPHA,
     block_size: tuple[int, int] = (128, 128),
     tile: tuple[SlotTile, SlotTile] | None = None,  # (gate_up, down); None: choose_slot_tile
+    k_splits: tuple[int, int] | str = (1, 1),  # (gate_up, down) K splits; "auto":
+    #   choose_k_splits (not yet timed)
     interpret: bool = False,
     extra: ExtraExperts | None = None,  # a second stack: expert ids E .. E + E2 - 1
 ) -> jax.Array:
@@ -819,8 +858,12 @@ def moe_decode_mosaic_pairs(
     work = work_items(plan)
     if tile is None:
         tile = (choose_slot_tile(hidden), choose_slot_tile(inter))
+    if k_splits == "auto":
+        items = min(e_all, expert_ids.size)
+        k_splits = (choose_k_splits(items, two_i, hidden, tile[0]),
+                    choose_k_splits(items, hidden, inter, tile[1]))
 
-    def launch(a, w, scale, global_scale, extra_stack, tile):
+    def launch(a, w, scale, global_scale, extra_stack, tile, splits):
         """``a [R, K]`` (sorted rows) through one launch: ``[R, N]`` f32 (rows past the items'
         hold garbage: they only meet other garbage rows)."""
         if fmt == "bf16":
@@ -830,14 +873,16 @@ def moe_decode_mosaic_pairs(
             if packed == 2:
                 a = permute_fp4_activations(a, tile.block_k)
         out = slot_matmul(work, a, w, scale, extra_stack, global_scale, fmt=fmt,
-                          fp8_block=fp8_block, tile=tile, interpret=interpret)
+                          fp8_block=fp8_block, tile=tile, k_splits=splits,
+                          interpret=interpret)
         return out if unscale is None else out * unscale
 
     token = jnp.pad(plan.token_of_row, (0, rows - p))  # [R] (extra rows: token 0)
     expert_of_row = plan.work[0][_slot_of_row(plan, rows)]  # [R] (unowned rows: any)
     xs = None if extra is None else (extra.gate_up, extra.gate_up_scale,
                                      extra.gate_up_global_scale)
-    gu = launch(x[token], gate_up, gate_up_scale, gate_up_global_scale, xs, tile[0])  # [R, 2I]
+    gu = launch(x[token], gate_up, gate_up_scale, gate_up_global_scale, xs, tile[0],
+                k_splits[0])  # [R, 2I]
     if gate_up_bias is not None:
         gu = gu + jnp.take(gate_up_bias.astype(jnp.float32), expert_of_row, axis=0,
                            mode="clip")
@@ -849,7 +894,7 @@ def moe_decode_mosaic_pairs(
     # excess-precision rule (grouped_matmul.reference.rounded)
     h = rounded(_epilogue(gate, up, activation, limit, alpha), jnp.bfloat16)  # [R, I]
     xs = None if extra is None else (extra.down, extra.down_scale, extra.down_global_scale)
-    y = launch(h, down, down_scale, down_global_scale, xs, tile[1])  # [R, H]
+    y = launch(h, down, down_scale, down_global_scale, xs, tile[1], k_splits[1])  # [R, H]
     if down_bias is not None:
         y = y + jnp.take(down_bias.astype(jnp.float32), expert_of_row, axis=0, mode="clip")
     return pairs_of(y[None], plan)
