@@ -178,6 +178,19 @@ def with_spread_mxfp4_scales(arrays: dict, rng, lo: int, hi: int) -> dict:
     return arrays
 
 
+def far_apart_case(fmt: WeightFormat, arrays: dict):
+    """(x, ids, arrays) of 6 tokens, top-2: rows spanning 1e-4 .. 1e4 and, for MXFP4, E8M0
+    scales spread over 2^-50 .. 2^10 (blocks of very different scales within a K step)."""
+    t, k = 6, 2
+    rng = np.random.default_rng(5)
+    hidden = arrays["down"].shape[1]
+    x = rng.standard_normal((t, hidden)) * np.logspace(-4, 4, t)[:, None]
+    x = jnp.asarray(x.astype(ml_dtypes.bfloat16))
+    if fmt is WeightFormat.MXFP4:
+        arrays = with_spread_mxfp4_scales(arrays, rng, 77, 138)
+    return x, routing("random", t, k, seed=2), arrays
+
+
 def assert_each_row_close(out, ref, ids, num_experts: int, tol: float = 5e-3):
     """Every routed (token, slot) row within ``tol`` of the reference on its own; zero-expert
     rows exactly 0."""
@@ -268,14 +281,7 @@ class TestKernelInterpret:
         would push the small rows into f16 subnormals or the large ones past f16's range).
         MXFP4: scales spread over 2^-50 .. 2^10 (the f16 route scales each K step by its
         largest, so a step's small blocks fall to f16 subnormals or 0, which must not show)."""
-        t, k = 6, 2
-        rng = np.random.default_rng(5)
-        x = rng.standard_normal((t, H)) * np.logspace(-4, 4, t)[:, None]
-        x = jnp.asarray(x.astype(ml_dtypes.bfloat16))
-        arrays = expert_arrays(fmt)
-        if fmt is MXFP4:
-            arrays = with_spread_mxfp4_scales(arrays, rng, 77, 138)
-        ids = routing("random", t, k, seed=2)
+        x, ids, arrays = far_apart_case(fmt, expert_arrays(fmt))
         out = moe_decode_pairs(x, ids, config=F16_CONFIG, interpret=True, **arrays)
         ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **arrays)
         assert_each_row_close(out, ref, ids, E)

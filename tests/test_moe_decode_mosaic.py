@@ -41,12 +41,7 @@ from pallas_kernels.moe_decode.mosaic import (
     work_items,
 )
 from tests.test_moe import make
-from tests.test_moe_decode_kernel import (
-    make_weights,
-    rel_err,
-    routing,
-    with_spread_mxfp4_scales,
-)
+from tests.test_moe_decode_kernel import far_apart_case, make_weights, rel_err, routing
 
 ops_decode = importlib.import_module("atlas_jax.ops.moe_decode")  # the module, not the function
 E, H, I = 6, 192, 128
@@ -158,14 +153,7 @@ def test_fp4_rows_and_scales_far_apart(fmt):
     MXFP4, E8M0 scales spread over 2^-50 .. 2^10 within K steps (each step's factors are
     2^(s - s_max): its small blocks fall to f16 subnormals or 0, which must not show): every
     (token, slot) row matches the reference on its own."""
-    t, k = 6, 2
-    rng = np.random.default_rng(5)
-    x = rng.standard_normal((t, H)) * np.logspace(-4, 4, t)[:, None]
-    x = jnp.asarray(x.astype(ml_dtypes.bfloat16))
-    kw = arrays(fmt)
-    if fmt is MXFP4:
-        kw = with_spread_mxfp4_scales(kw, rng, 77, 138)
-    ids = routing("random", t, k, seed=2)
+    x, ids, kw = far_apart_case(fmt, arrays(fmt))
     out = moe_decode_mosaic_pairs(x, ids, **kw, interpret=True)
     ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw)
     assert_pairs_close(out, ref, ids, E, tol=5e-3)
