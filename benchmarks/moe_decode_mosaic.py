@@ -10,6 +10,7 @@ run. A correctness step first compares both paths with the plain-jnp reference o
 
     python benchmarks/moe_decode_mosaic.py [--shapes ...] [--formats fp8 bf16] [--tokens ...]
                                            [--stages 2 3 4 6] [--k-splits 1,1 auto 2,2]
+                                           [--fp4-convert bits e4m3]
                                            [--profile] [--out FILE]
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import itertools
 import sys
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from benchmarks._common import (  # noqa: E402
 from benchmarks.moe_decode import SHAPES, make_layer, rel_err  # noqa: E402
 from pallas_kernels.moe_decode import moe_decode, moe_decode_pairs_reference  # noqa: E402
 from pallas_kernels.moe_decode.mosaic import (  # noqa: E402
+    FP4_CONVERTS,
     choose_slot_tile,
     moe_decode_mosaic_pairs,
 )
@@ -110,7 +113,7 @@ def check(shapes, formats) -> list[dict]:
 
 
 def bench(shapes, formats, token_counts, stages, *, hbm: float, profile: bool = False,
-          k_splits=((1, 1),)) -> list[dict]:
+          k_splits=((1, 1),), converts=("bits",)) -> list[dict]:
     rows = []
     for shape in shapes:
         for fmt in formats:
@@ -122,13 +125,16 @@ def bench(shapes, formats, token_counts, stages, *, hbm: float, profile: bool = 
                 row = dict(shape=shape, format=fmt, tokens=tokens, experts=distinct,
                            MB=nbytes / 1e6)
                 variants = {"triton": _steps(fmt, static)[0]}
-                for s in stages:
-                    tiles = (choose_slot_tile(cfg.hidden_size, s),
-                             choose_slot_tile(cfg.intermediate_size, s))
-                    for splits in k_splits:
-                        name = f"mosaic_s{s}" + ("" if splits == (1, 1) else "_k" + (
-                            splits if isinstance(splits, str) else "x".join(map(str, splits))))
-                        variants[name] = _steps(fmt, static, tiles, splits)[1]
+                fp4 = fmt in ("nvfp4", "mxfp4")
+                for s, convert, splits in itertools.product(
+                        stages, converts if fp4 else ("bits",), k_splits):
+                    tiles = (choose_slot_tile(cfg.hidden_size, s, convert),
+                             choose_slot_tile(cfg.intermediate_size, s, convert))
+                    name = (f"mosaic_s{s}" + ("" if convert == "bits" else f"_{convert}")
+                            + ("" if splits == (1, 1) else "_k" + (
+                                splits if isinstance(splits, str) else
+                                "x".join(map(str, splits)))))
+                    variants[name] = _steps(fmt, static, tiles, splits)[1]
                 for name, fn in variants.items():
                     try:
                         t = time_scan(fn, arrays, xs)
@@ -171,6 +177,8 @@ def main() -> None:
     parser.add_argument("--k-splits", nargs="+", type=_splits, default=[(1, 1)],
                         help="K splits of the Mosaic launches, each 'G,D' (gate_up, down) or "
                              "'auto' (choose_k_splits), e.g. --k-splits 1,1 auto 2,2")
+    parser.add_argument("--fp4-convert", nargs="+", default=["bits"], choices=FP4_CONVERTS,
+                        help="SlotTile.fp4_convert variants of the FP4 Mosaic kernels")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--profile", action="store_true",
                         help="print each variant's kernels with their GPU time")
@@ -185,7 +193,7 @@ def main() -> None:
     hbm = hbm_copy_bandwidth()
     print(f"HBM copy {hbm / 1e12:.2f} TB/s", flush=True)
     rows = bench(args.shapes, args.formats, args.tokens, args.stages, hbm=hbm,
-                 profile=args.profile, k_splits=args.k_splits)
+                 profile=args.profile, k_splits=args.k_splits, converts=args.fp4_convert)
     cols = sorted({c for r in rows for c in r}, key=lambda c: list(rows[0]).index(c)
                   if c in rows[0] else 99)
     out.append(f"HBM copy {hbm / 1e12:.2f} TB/s\n\n" + table(rows, cols))

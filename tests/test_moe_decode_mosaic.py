@@ -26,6 +26,7 @@ from atlas_jax.config import ActQuant, Format
 from pallas_kernels.grouped_matmul.config import WeightFormat
 from pallas_kernels.moe_decode import ExtraExperts, make_plan, moe_decode_pairs_reference
 from pallas_kernels.moe_decode.mosaic import (
+    FP4_CONVERTS,
     ROWS,
     SlotTile,
     _natural_order,
@@ -108,16 +109,26 @@ def test_slot_matmul_writes_exactly_its_rows(fmt, k, k_splits):
     check_slot_matmul(fmt, k, compiled=False, k_splits=k_splits)
 
 
+@pytest.mark.parametrize("fmt", FP4, ids=lambda f: f.value)
+@pytest.mark.parametrize("k", [128, 192])
+def test_slot_matmul_fp4_e4m3_convert(fmt, k):
+    """The "e4m3" FP4 conversion (its own column order and factors) as the "bits" one."""
+    check_slot_matmul(fmt, k, compiled=False, convert="e4m3")
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
 @pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4, MXFP4], ids=lambda f: f.value)
 @pytest.mark.parametrize("k,k_splits", [(128, 1), (192, 1), (384, 1), (320, 1), (384, 3),
                                         (320, 5)])  # K steps: 1 x 128, 3 x 64, 3 x 128, 5 x 64
-def test_compiled_slot_matmul_on_gpu(fmt, k, k_splits):
+@pytest.mark.parametrize("convert", FP4_CONVERTS)
+def test_compiled_slot_matmul_on_gpu(fmt, k, k_splits, convert):
     """The same items through the compiled kernels (operands in registers)."""
-    check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits)
+    if convert != "bits" and fmt not in FP4:
+        pytest.skip("fp4_convert: FP4 only")
+    check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, convert=convert)
 
 
-def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1):
+def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, convert: str = "bits"):
     rng = np.random.default_rng(3)
     n, p = 128, 45
     w = make_weights(rng, fmt, n, k, e=4, fp8_block=FP8_BLOCK, global_rows=2)
@@ -128,8 +139,8 @@ def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1):
                                  [4, 0, 0], [2, 42, 3]]).T, jnp.int32)
     a_dtype = jnp.bfloat16 if fmt is BF16 else jnp.float16
     a = jnp.asarray(rng.standard_normal((window_rows(p), k)), a_dtype)
-    tile = choose_slot_tile(k)
-    a_kernel = permute_fp4_activations(a, tile.block_k) if fmt in FP4 else a
+    tile = choose_slot_tile(k, fp4_convert=convert)
+    a_kernel = permute_fp4_activations(a, tile) if fmt in FP4 else a
     fp8_block = FP8_BLOCK if fmt is FP8 else None
     out = slot_matmul(work, a_kernel, w["w"], scale, None, global_scale, fmt=name,
                       fp8_block=fp8_block, tile=tile, k_splits=k_splits,
@@ -187,26 +198,31 @@ def test_work_items_cut_each_slot_into_chunks(pattern, t, k):
     assert (np.diff(istart[live]) > 0).all(), "items in sorted-row order"
 
 
+@pytest.mark.parametrize("convert", FP4_CONVERTS)
 @pytest.mark.parametrize("block_k", [64, 128])
-def test_fp4_activation_order(block_k):
+def test_fp4_activation_order(block_k, convert):
     """A permutation of each K step; thread c of a quad reads K columns [c bk/4, (c+1) bk/4)
-    (its bytes of the code row): operand h, column 8j + 2c + q is nibble 2(h%2) + j + 4q of
-    its word h // 2; each operand's 16 columns take 4 from each thread's range."""
-    order = fp4_operand_order(block_k)
+    (its bytes of the code row): operand h, column 8j + 2c + q is, of its word h // 2, nibble
+    2 (h % 2) + j + 4q ("bits": registers (n0, n4), (n1, n5), ...) or 4j + 2q + h % 2
+    ("e4m3": (n0, n2), (n4, n6), (n1, n3), (n5, n7)); each operand's 16 columns take 4 from
+    each thread's range."""
+    order = fp4_operand_order(block_k, convert)
     np.testing.assert_array_equal(np.sort(order), np.arange(block_k))
-    quarter = block_k // 4  # operand 0, j = 0: nibbles 0 and 4 of each thread's first word
-    np.testing.assert_array_equal(order[:8], [0, 4, quarter, quarter + 4, 2 * quarter,
-                                              2 * quarter + 4, 3 * quarter, 3 * quarter + 4])
-    np.testing.assert_array_equal(order[8:10], [1, 5])  # j = 1 of operand 0: nibbles 1, 5
-    np.testing.assert_array_equal(order[16:18], [2, 6])  # operand 1: nibbles 2, 6
+    quarter = block_k // 4  # operand 0, j = 0, lanes q = 0, 1 of each thread's first word
+    lane1, j1, op1 = (4, 1, 2) if convert == "bits" else (2, 4, 1)
+    np.testing.assert_array_equal(order[:8], np.repeat(np.arange(4) * quarter, 2)
+                                  + np.tile([0, lane1], 4))
+    np.testing.assert_array_equal(order[8:10], [j1, j1 + lane1])  # column block j = 1
+    np.testing.assert_array_equal(order[16:18], [op1, op1 + lane1])  # operand 1
     for h in range(block_k // 16):
         thread = order[16 * h:16 * h + 16] // (block_k // 4)
         np.testing.assert_array_equal(thread, np.tile(np.repeat(np.arange(4), 2), 2))
+    tile = SlotTile(block_k=block_k, fp4_convert=convert)
     a = jnp.arange(2 * 2 * block_k, dtype=jnp.float32).reshape(2, 2 * block_k)
-    permuted = permute_fp4_activations(a, block_k)
+    permuted = permute_fp4_activations(a, tile)
     np.testing.assert_array_equal(np.asarray(permuted)[0, block_k:],
                                   block_k + order)  # step 2 permuted the same way
-    np.testing.assert_array_equal(np.asarray(_natural_order(permuted, block_k)), np.asarray(a))
+    np.testing.assert_array_equal(np.asarray(_natural_order(permuted, tile)), np.asarray(a))
 
 
 def test_slot_matmul_bad_inputs_raise():
@@ -406,17 +422,19 @@ class TestLowersForHopper:
     """The Mosaic GPU lowering (layout inference included) of the register-operand build, for
     the model shapes it serves, without a GPU (``jax.export`` for the CUDA platform)."""
 
-    @pytest.mark.parametrize("fmt,n,k,k_splits", [
-        (FP8, 1536, 2048, 1),  # Qwen3-30B-A3B gate_up
-        (FP8, 2880, 2880, 1),  # gpt-oss-120b down: 64-wide K steps
-        (FP8, 1536, 2048, 2),  # K over two programs
-        (BF16, 2048, 768, 1),  # Qwen3-30B-A3B down
-        (NVFP4, 1536, 2048, 1),
-        (NVFP4, 2048, 768, 2),
-        (MXFP4, 5760, 2880, 1),  # gpt-oss-120b gate_up
-        (MXFP4, 2880, 2880, 3),
+    @pytest.mark.parametrize("fmt,n,k,k_splits,convert", [
+        (FP8, 1536, 2048, 1, "bits"),  # Qwen3-30B-A3B gate_up
+        (FP8, 2880, 2880, 1, "bits"),  # gpt-oss-120b down: 64-wide K steps
+        (FP8, 1536, 2048, 2, "bits"),  # K over two programs
+        (BF16, 2048, 768, 1, "bits"),  # Qwen3-30B-A3B down
+        (NVFP4, 1536, 2048, 1, "bits"),
+        (NVFP4, 2048, 768, 2, "bits"),
+        (NVFP4, 1536, 2048, 1, "e4m3"),
+        (MXFP4, 5760, 2880, 1, "bits"),  # gpt-oss-120b gate_up
+        (MXFP4, 2880, 2880, 3, "bits"),
+        (MXFP4, 5760, 2880, 1, "e4m3"),
     ], ids=lambda v: getattr(v, "value", v))
-    def test_lowers(self, fmt, n, k, k_splits):
+    def test_lowers(self, fmt, n, k, k_splits, convert):
         """Main stack and a folded one-expert extra stack, as the decode step launches them."""
         p, e = 64, 8
         name = format_name(fmt, None)
@@ -449,7 +467,8 @@ class TestLowersForHopper:
             w, scale, glob = (*main_, *pad)
             return slot_matmul(work, a, w, scale, (*extra_, *pad), glob, fmt=name,
                                fp8_block=(128, 128) if fmt is FP8 else None,
-                               tile=choose_slot_tile(k), k_splits=k_splits)
+                               tile=choose_slot_tile(k, fp4_convert=convert),
+                               k_splits=k_splits)
 
         text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
         assert "mosaic_gpu" in text
@@ -457,10 +476,14 @@ class TestLowersForHopper:
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
 @pytest.mark.parametrize("t", [1, 8, 33])
-@pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4, MXFP4], ids=lambda f: f.value)
-def test_compiled_on_gpu_against_reference(fmt, t):
+@pytest.mark.parametrize("fmt,convert,k_splits", [
+    (FP8, "bits", (1, 1)), (BF16, "bits", (1, 1)), (NVFP4, "bits", (1, 1)),
+    (MXFP4, "bits", (1, 1)), (NVFP4, "e4m3", (1, 1)), (MXFP4, "e4m3", (1, 1)),
+    (FP8, "bits", (2, 2)), (NVFP4, "e4m3", (4, 2))], ids=str)
+def test_compiled_on_gpu_against_reference(fmt, convert, k_splits, t):
     """The compiled kernels (weights in registers) against the reference, rows 1e-3 .. 1e3,
-    gpt-oss's interleaved, clamped activation with biases, a zero expert, 128 x 128 blocks."""
+    gpt-oss's interleaved, clamped activation with biases, a zero expert, 128 x 128 blocks;
+    both FP4 conversions, K split over programs."""
     e, h, inter, k = 16, 1024, 512, 4
     rng = np.random.default_rng(t)
     kw = arrays(fmt, e=e, h=h, inter=inter, bias=True, seed=1, fp8_block=(128, 128))
@@ -470,6 +493,7 @@ def test_compiled_on_gpu_against_reference(fmt, t):
     x = rng.standard_normal((t, h)) * np.logspace(-3, 3, t)[:, None]
     x = jnp.asarray(x.astype(ml_dtypes.bfloat16))
     variant = dict(activation="gpt_oss", gate_up_layout="interleaved")
-    out = moe_decode_mosaic_pairs(x, ids, **kw, **variant)
+    tile = (choose_slot_tile(h, fp4_convert=convert), choose_slot_tile(inter, fp4_convert=convert))
+    out = moe_decode_mosaic_pairs(x, ids, **kw, **variant, tile=tile, k_splits=k_splits)
     ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
     assert_pairs_close(out, ref, ids, e, tol=5e-3)

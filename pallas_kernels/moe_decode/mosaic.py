@@ -32,15 +32,16 @@ step's partial is multiplied by its block scale; 64 divides ``b0`` and ``block_k
 inputs, as the Triton kernels' ``f16_dot`` route), and BF16 weights with bf16 activations.
 NVFP4 and MXFP4 (``[E, N, K/2]`` u8 codes, low nibble = even k): the code tile goes to SMEM by
 TMA (one swizzled tile a row); an ``inline_mgpu`` block (``_fp4_operands_inline``) gives each
-thread its own bytes of its two rows (one SMEM vector load a row) and makes each f16x2 of the
-A operand from one 32-bit word by bit placement (``e2m1 * 2^-14``), times a per-row factor of
-the word's scale group: NVFP4 ``s * 2^7`` (exact in f16), MXFP4 ``2^(s - s_max)`` against the
-largest E8M0 scale of the row's K step (the step's partial then times ``2^(s_max - 127 +
-14)``). The column order that needs no shuffles (``fp4_operand_order``) is applied to the
-activations instead (``permute_fp4_activations``). One wgmma a K step; NVFP4 accumulates in
-one accumulator, times ``2^7`` and the global scale at the end. The scales come from global
-memory, one 8/16/32-bit load a row and step, a step ahead. The codes keep the checkpoint's
-layout. Interpret mode builds the same operands with jnp (``_fp4_operands_jnp``).
+thread its own bytes of its two rows (one SMEM vector load a row), places each nibble's bits
+in an e4m3 byte (``e2m1 * 2^-6``, four a 32-bit op), converts byte pairs to f16x2
+(``cvt.rn.f16x2.e4m3x2``) and multiplies each by a per-row factor of its scale group: NVFP4
+the e4m3 scale (exact in f16), MXFP4 ``2^(s - s_max)`` against the largest E8M0 scale of the
+row's K step (the step's partial then times ``2^(s_max - 127 + 6)``). The column order that
+needs no shuffles (``fp4_operand_order``) is applied to the activations instead
+(``permute_fp4_activations``). One wgmma a K step; NVFP4 accumulates in one accumulator,
+times ``2^6`` and the global scale at the end. The scales come from global memory, one
+8/16/32-bit load a row and step, a step ahead. The codes keep the checkpoint's layout.
+Interpret mode builds the same operands with jnp (``_fp4_operands_jnp``).
 
 The full decode step (``moe_decode_mosaic_pairs``): plan -> work items -> x rows gathered in
 sorted order and scaled (XLA) -> gate_up launch -> activation, h rows scaled (XLA) -> down
@@ -86,11 +87,15 @@ WINDOW = ROWS + 8  # activation rows a program reads (the wgmma's N): from an 8-
 @dataclasses.dataclass(frozen=True)
 class SlotTile:
     """Tile of one program: ``block_n`` weight rows (64: one warpgroup's wgmma M), ``block_k``
-    of K per pipeline step, ``num_stages`` TMA stages in flight."""
+    of K per pipeline step, ``num_stages`` TMA stages in flight; ``fp4_convert``: how FP4
+    codes become f16 (``FP4_CONVERTS``: "bits", f16 bit placement, timed on the H200;
+    "e4m3", e4m3 byte placement and ``cvt.rn.f16x2.e4m3x2``, fewer instructions, not yet
+    compiled or timed on a GPU)."""
 
     block_n: int = 64
     block_k: int = 128
     num_stages: int = 4
+    fp4_convert: str = "bits"
 
     def __post_init__(self):
         if self.block_n != 64:
@@ -100,11 +105,15 @@ class SlotTile:
         if not isinstance(self.num_stages, int) or not 2 <= self.num_stages <= 8:
             raise ValueError(
                 f"SlotTile.num_stages: expected an int in [2, 8], got {self.num_stages!r}")
+        if self.fp4_convert not in FP4_CONVERTS:
+            raise ValueError(f"SlotTile.fp4_convert: expected one of {FP4_CONVERTS}, got "
+                             f"{self.fp4_convert!r}")
 
 
-def choose_slot_tile(k: int, num_stages: int = 4) -> SlotTile:
+def choose_slot_tile(k: int, num_stages: int = 4, fp4_convert: str = "bits") -> SlotTile:
     """Pure heuristic: K steps of 128 where they divide K, else 64."""
-    return SlotTile(block_k=128 if k % 128 == 0 else 64, num_stages=num_stages)
+    return SlotTile(block_k=128 if k % 128 == 0 else 64, num_stages=num_stages,
+                    fp4_convert=fp4_convert)
 
 
 def choose_k_splits(items: int, n: int, k: int, tile: SlotTile, *, sms: int = 132,
@@ -142,7 +151,7 @@ def _stack_size(fmt: str) -> int:
 def _kernel(
     work_gmem,  # [3, W] int32: expert id (>= E + E2: unused item), first sorted row, row count
     a_gmem,  # [R, K] f16 | bf16: activations in sorted-row order (R >= window_rows(P)); FP4:
-    #   permute_fp4_activations(., bk)
+    #   permute_fp4_activations(., tile)
     *rest,  # per stack (main, [extra]): w [E, N, K] e4m3 | bf16, or [E, N, K/2] u8
     #   (FP4); FP8: scale [E, cdiv(N, b0), cdiv(K, b1)] f32; NVFP4: scale [E, N, K/16] e4m3,
     #   global [E, R] f32; MXFP4: scale [E, N, K/32] u8. Then out [R, N] f32, o_smem
@@ -238,10 +247,11 @@ def _kernel(
         """NVFP4 / MXFP4: each step's codes become one ``[bn, bk]`` f16 A operand with the
         scales folded in (``_fp4_operands_inline``). NVFP4 accumulates every step in one
         accumulator; MXFP4 dots each step into a partial multiplied by its rows'
-        ``2^(s_max - 127 + 14)``. The scales of step kb + 1 are loaded during step kb."""
+        ``2^(s_max - 127 + PLACEMENT)``. The scales of step kb + 1 are loaded during step
+        kb."""
         if stage_w:
             scales_of = functools.partial(_fp4_scales_jnp, scale_ref, e, n0, fmt=fmt, tile=tile)
-            operands_of = _fp4_operands_jnp
+            operands_of = functools.partial(_fp4_operands_jnp, tile=tile)
         else:
             scales_of = functools.partial(_fp4_scales_inline, scale_ref, e * scale_ref.shape[1]
                                           + n0, fmt=fmt, tile=tile)
@@ -287,8 +297,9 @@ def _kernel(
             return acc_ref[...]
 
         acc = pl.run_scoped(run, plgpu.ACC((bn, WINDOW), jnp.float32))
-        # the operands held e2m1 * s * 2^-7 (_NVFP4_FACTOR_SHIFT)
-        return acc * (global_ref[e, lax.div(n0, global_rows)] * 2.0**_NVFP4_FACTOR_SHIFT)
+        # the operands held e2m1 * s * 2^(NV_SHIFT - PLACEMENT)
+        shift = _PLACEMENT[tile.fp4_convert] - _NV_SHIFT[tile.fp4_convert]
+        return acc * (global_ref[e, lax.div(n0, global_rows)] * 2.0**shift)
 
     def plain_steps(w_tile, a_tile):
         """16-bit weights: one accumulator, wgmma kept in flight across steps."""
@@ -364,14 +375,22 @@ def _kernel(
 # A thread of the warpgroup holds, in the wgmma's register A layout ([64, 16] f16, WGMMA), rows
 # r and r + 8 (r = 16 * warp + lane // 4) and columns 2c, 2c + 1, 8 + 2c, 9 + 2c (c = lane % 4)
 # of each operand. Here thread c of a quad reads bytes [c * bk / 8, (c + 1) * bk / 8) of its
-# rows' codes (one 16- or 8-byte SMEM load a row), 32-bit words of 8 nibbles; nibbles p and
-# p + 4 of a word (p < 4) become one f16x2 register by bit placement (two shifts, two masks).
+# rows' codes (one 16- or 8-byte SMEM load a row), 32-bit words of 8 nibbles n0..n7, each word
+# four f16x2 registers:
+# - "bits": nibbles p and p + 4 make one register, by f16 bit placement (two shifts, two
+#   masks: ``e2m1 * 2^-14``): (n0, n4), (n1, n5), (n2, n6), (n3, n7).
+# - "e4m3": the low nibbles become four e4m3 bytes by bit placement (sign to bit 7, magnitude
+#   to bits 4-2: ``e2m1 * 2^-6``, four a 32-bit op), the high ones likewise, and
+#   ``cvt.rn.f16x2.e4m3x2`` turns each half into a register: (n0, n2), (n4, n6), (n1, n3),
+#   (n5, n7).
 # Which K column lands in which operand column follows from that (``fp4_operand_order``); the
 # activations are permuted to match (``permute_fp4_activations``), so no shuffle is needed.
 # Every 32-bit word of a thread lies in one scale group, so a thread multiplies each register
-# by one of at most two per-row factors: NVFP4 ``s * 2^7`` (e4m3 s, exact in f16, the product
-# ``e2m1 * s * 2^-7`` exact too), MXFP4 ``2^(s - s_max)`` against the largest scale of the row's
-# K step (``e8m0_step_to_f16``; the step's partial is multiplied by ``2^(s_max - 127 + 14)``).
+# by one of at most two per-row factors: NVFP4 the e4m3 scale ``s`` times ``2^NV_SHIFT`` (the
+# product, ``e2m1 * s * 2^(NV_SHIFT - PLACEMENT)``, is exact in f16: a multiple of 2^-16 with
+# at most 6 significant bits), MXFP4 ``2^(s - s_max)`` against the largest scale of the row's
+# K step (``e8m0_step_to_f16``; exact down to ``s - s_max = 15 - PLACEMENT - 1``; the step's
+# partial is multiplied by ``2^(s_max - 127 + PLACEMENT)``).
 
 def _code_transforms(block_k: int):
     """Code tiles ``[bn, bk / 2]`` u8 in SMEM: one swizzled tile a row (64 or 32 bytes), so a
@@ -379,37 +398,43 @@ def _code_transforms(block_k: int):
     return _transforms(block_k // 2, 1)
 
 
-_NVFP4_FACTOR_SHIFT = 7  # NVFP4 factors s * 2^7: f16 operands e2m1 * 2^-14 * s * 2^7
-_F16X2_MAG, _F16X2_SIGN = 0x0E000E00, 0x80008000  # an f16x2's e2m1 magnitude / sign bits
+FP4_CONVERTS = ("bits", "e4m3")
+_PLACEMENT = {"bits": 14, "e4m3": 6}  # the converted codes are e2m1 * 2^-PLACEMENT
+_NV_SHIFT = {"bits": 7, "e4m3": 0}  # NVFP4 factors s * 2^NV_SHIFT
 
 
-def _to_operand_order(x):
-    """``x [..., bk]`` in K order (one step) -> the FP4 operands' column order: K column
-    ``c bk/4 + 8w + 4q + 2hh + j`` (thread c's word w, nibble 2hh + j + 4q) goes to position
-    ``16 (2w + hh) + 8j + 2c + q`` (operand 2w + hh, column 8j + 2c + q; see above)."""
+def _to_operand_order(x, convert: str):
+    """``x [..., bk]`` in K order (one step) -> the FP4 operands' column order: thread c's word
+    w, register 2hh + j, lane q (K column ``c bk/4 + 8w + nibble``, nibble ``2hh + j + 4q``
+    for "bits", ``4j + 2q + hh`` for "e4m3"; see above) goes to position ``16 (2w + hh) + 8j
+    + 2c + q`` (operand 2w + hh, column 8j + 2c + q)."""
     *lead, bk = x.shape
-    x = x.reshape(*lead, 4, bk // 32, 2, 2, 2)  # (c, w, q, hh, j)
+    x = x.reshape(*lead, 4, bk // 32, 2, 2, 2)  # (c, w, then the nibble's three bits)
     n = len(lead)
-    return x.transpose(*range(n), n + 1, n + 3, n + 4, n, n + 2).reshape(*lead, bk)
+    c, w, b2, b1, b0 = range(n, n + 5)  # nibble = 4 b2 + 2 b1 + b0
+    q, hh, j = (b2, b1, b0) if convert == "bits" else (b1, b0, b2)
+    return x.transpose(*range(n), w, hh, j, c, q).reshape(*lead, bk)
 
 
-def fp4_operand_order(block_k: int) -> np.ndarray:
+def fp4_operand_order(block_k: int, convert: str = "bits") -> np.ndarray:
     """``[block_k]``: the K column (within a step) of each activation column the FP4 kernels
     read, operand after operand (operand h: columns 16h .. 16h + 15)."""
-    return _to_operand_order(np.arange(block_k, dtype=np.int32))
+    return _to_operand_order(np.arange(block_k, dtype=np.int32), convert)
 
 
-def permute_fp4_activations(a: jax.Array, block_k: int) -> jax.Array:
-    """``a [R, K]`` -> the FP4 kernels' column order for K steps of ``block_k``."""
+def permute_fp4_activations(a: jax.Array, tile: SlotTile) -> jax.Array:
+    """``a [R, K]`` -> the FP4 kernels' column order for ``tile``'s K steps."""
     r, k = a.shape
-    return _to_operand_order(a.reshape(r, k // block_k, block_k)).reshape(r, k)
+    bk = tile.block_k
+    return _to_operand_order(a.reshape(r, k // bk, bk), tile.fp4_convert).reshape(r, k)
 
 
-def _natural_order(a: jax.Array, block_k: int) -> jax.Array:
+def _natural_order(a: jax.Array, tile: SlotTile) -> jax.Array:
     """The inverse of ``permute_fp4_activations`` (tests)."""
     r, k = a.shape
-    inverse = np.argsort(fp4_operand_order(block_k))
-    return a.reshape(r, k // block_k, block_k)[:, :, inverse].reshape(r, k)
+    bk = tile.block_k
+    inverse = np.argsort(fp4_operand_order(bk, tile.fp4_convert))
+    return a.reshape(r, k // bk, bk)[:, :, inverse].reshape(r, k)
 
 
 def _group_size(fmt: str) -> int:
@@ -424,23 +449,34 @@ def _fp4_scales_jnp(scale_ref, e, n0, kb, *, fmt: str, tile: SlotTile):
     s = scale_ref[e, pl.ds(n0, bn), pl.ds(kb * (bk // size), bk // size)]  # [bn, groups]
 
     def per_column(f):  # [bn, groups] -> [bn, bk] in operand order
-        return _to_operand_order(jnp.repeat(f, size, axis=1))
+        return _to_operand_order(jnp.repeat(f, size, axis=1), tile.fp4_convert)
 
     if fmt == "nvfp4":
-        return (per_column((s.astype(jnp.float32) * 2.0**_NVFP4_FACTOR_SHIFT)
-                           .astype(jnp.float16)),)
+        shift = 2.0**_NV_SHIFT[tile.fp4_convert]
+        return (per_column((s.astype(jnp.float32) * shift).astype(jnp.float16)),)
     s = s.astype(jnp.int32)
     top = jnp.max(s, axis=1)
     return (per_column(e8m0_step_to_f16(s - top[:, None])),
-            e8m0_to_f32(jnp.minimum(top + 14, 255)))
+            e8m0_to_f32(jnp.minimum(top + _PLACEMENT[tile.fp4_convert], 255)))
 
 
-def _fp4_operands_jnp(w_smem, factors):
+def _e2m1_as_e4m3(codes):
+    """int32 E2M1 codes (low 4 bits) -> float8_e4m3fn ``e2m1 * 2^-6`` by bit placement (sign
+    to bit 7, the magnitude bits to 4-2), as the kernels' byte-wise placement."""
+    bits = ((codes & 7) << 2) | ((codes & 8) << 4)
+    return lax.bitcast_convert_type(bits.astype(jnp.uint8), jnp.float8_e4m3fn)
+
+
+def _fp4_operands_jnp(w_smem, factors, *, tile: SlotTile):
     """Interpret mode's ``_fp4_operands_inline``: the same operands by jnp."""
     codes = w_smem[...].astype(jnp.int32)  # [bn, bk / 2]
     bn, bk = codes.shape[0], 2 * codes.shape[1]
     nibbles = jnp.stack([codes & 15, codes >> 4], axis=-1).reshape(bn, bk)  # K order
-    return _to_operand_order(e2m1_to_f16_scaled(nibbles)) * factors
+    if tile.fp4_convert == "bits":
+        f = e2m1_to_f16_scaled(nibbles)
+    else:
+        f = _e2m1_as_e4m3(nibbles).astype(jnp.float16)
+    return _to_operand_order(f, tile.fp4_convert) * factors
 
 
 def _i32(v):
@@ -478,6 +514,7 @@ def _fp4_scales_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
     groups = bk // size  # scale bytes of a row in one step: 8 | 4 (NVFP4), 4 | 2 (MXFP4)
     stride = scale_ref.shape[-1]
     mx = fmt == "mxfp4"
+    placement, nv_shift = _PLACEMENT[tile.fp4_convert], _NV_SHIFT[tile.fp4_convert]
     ret = (plgpu.ShapeDtypeStruct((bn, 16), jnp.float16, layout=plgpu.Layout.WGMMA),)
     if mx:
         ret += (plgpu.ShapeDtypeStruct((bn,), jnp.float32, layout=plgpu.Layout.WGMMA.reduce(1)),)
@@ -498,9 +535,10 @@ def _fp4_scales_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
                 at = arith.addi(base, own)
                 v = _load(ptr, at, i16) if groups == 8 else arith.extui(i16, _load(ptr, at, i8))
                 f = mgpu.utils.inline_ptx("cvt.rn.f16x2.e4m3x2 $0, $1;", v, result_types=i32)
-                f = mgpu.utils.bitcast(f, ir.VectorType.get((2,), ir.F16Type.get()))
-                f = mgpu.utils.bitcast(arith.mulf(f, mgpu.utils.c(
-                    2.0**_NVFP4_FACTOR_SHIFT, f.type)), i32)
+                if nv_shift:
+                    f = mgpu.utils.bitcast(f, ir.VectorType.get((2,), ir.F16Type.get()))
+                    f = mgpu.utils.bitcast(arith.mulf(f, mgpu.utils.c(
+                        2.0**nv_shift, f.type)), i32)
                 lo = _splat_f16x2(arith.andi(f, _i32(0xFFFF)))
                 hi = _splat_f16x2(arith.shrui(f, _i32(16))) if groups == 8 else lo
             else:  # every E8M0 byte of the step (its max), then the thread's own
@@ -518,8 +556,8 @@ def _fp4_scales_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
                 f16 = arith.truncf(ir.F16Type.get(), f32)
                 bits = arith.extui(i32, arith.bitcast(i16, f16))
                 lo = hi = _splat_f16x2(bits)
-                scale_bits = arith.shli(arith.minui(arith.addi(top, _i32(14)), _i32(255)),
-                                        _i32(23))  # 2^(s_max - 127 + 14), f32
+                scale_bits = arith.shli(arith.minui(arith.addi(top, _i32(placement)),
+                                                    _i32(255)), _i32(23))  # 2^(s_max-127+P)
                 row_scales[0, 0, i, 0, 0] = mgpu.utils.bitcast(
                     scale_bits, ir.VectorType.get((1,), ir.F32Type.get()))
             factors[0, 0, 0, 0, i, 0, 0, 0, 0] = lo
@@ -532,6 +570,34 @@ def _fp4_scales_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
         return out
 
     return load(scale_ref, jnp.asarray(row0, jnp.int32), jnp.asarray(kb * groups, jnp.int32))
+
+
+def _fp4_word_to_f16x2(word, convert: str):
+    """A 32-bit word of 8 E2M1 nibbles -> its four f16x2 registers (i32), yielded as (column
+    block 2hh + j of the word's 16 operand columns, register); see the comment above."""
+    i32 = ir.IntegerType.get_signless(32)
+    if convert == "bits":  # nibbles p (low half) and p + 4 (high half): block p
+        def shifted(s):
+            return (arith.shli(word, _i32(s)) if s > 0
+                    else arith.shrui(word, _i32(-s)) if s < 0 else word)
+
+        for p in range(4):
+            yield p, arith.ori(arith.andi(shifted(9 - 4 * p), _i32(0x0E000E00)),  # magnitude
+                               arith.andi(shifted(12 - 4 * p), _i32(0x80008000)))  # sign
+        return
+    low = arith.ori(  # e4m3 bytes of n0, n2, n4, n6 (_e2m1_as_e4m3)
+        arith.shli(arith.andi(word, _i32(0x07070707)), _i32(2)),
+        arith.shli(arith.andi(word, _i32(0x08080808)), _i32(4)))
+    high = arith.ori(  # of n1, n3, n5, n7
+        arith.andi(arith.shrui(word, _i32(2)), _i32(0x1C1C1C1C)),
+        arith.andi(word, _i32(0x80808080)))
+    for hh, e4m3 in enumerate((low, high)):  # (n0, n2), (n4, n6); (n1, n3), (n5, n7)
+        pairs = mgpu.utils.inline_ptx(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            e4m3, result_types=[i32, i32])
+        for j, pair in enumerate(pairs):
+            yield 2 * hh + j, pair
 
 
 def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
@@ -569,15 +635,9 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
                 # words 0-1 lie in the thread's first scale group, 2-3 in its second
                 # (NVFP4 at bk = 128; elsewhere both carrier slots hold the same factor)
                 f = fac.registers[0, w // 2, 0, 0, i, 0, 0, 0, 0]
-                for p in range(4):  # nibbles p (low half) and p + 4 (high half): operand
-                    # 2w + p // 2, column block p % 2 (see fp4_operand_order)
-                    mag, sign = 9 - 4 * p, 12 - 4 * p
-                    shift = lambda x, s: (arith.shli(x, _i32(s)) if s > 0  # noqa: E731
-                                          else arith.shrui(x, _i32(-s)) if s < 0 else x)
-                    bits = arith.ori(arith.andi(shift(word, mag), _i32(_F16X2_MAG)),
-                                     arith.andi(shift(word, sign), _i32(_F16X2_SIGN)))
-                    val = arith.mulf(mgpu.utils.bitcast(bits, f16x2), f)
-                    regs[0, 4 * w + p, 0, 0, i, 0, 0, 0, 0] = val
+                for col_block, pair in _fp4_word_to_f16x2(word, tile.fp4_convert):
+                    val = arith.mulf(mgpu.utils.bitcast(pair, f16x2), f)
+                    regs[0, 4 * w + col_block, 0, 0, i, 0, 0, 0, 0] = val
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     return convert(w_smem, factors)
@@ -626,7 +686,7 @@ def unsupported_reason(fmt: str, w_dtype, n: int, k: int, *,
 def slot_matmul(
     work: jax.Array,  # [3, W] int32: expert (>= E: unused), first sorted row, row count <= 16
     a: jax.Array,  # [R, K] (activation_dtype), sorted rows; R >= window_rows(P) for items
-    #   over the rows [0, P); FP4: permute_fp4_activations(., tile.block_k)
+    #   over the rows [0, P); FP4: permute_fp4_activations(., tile)
     w: jax.Array,  # [E, N, K] e4m3 | bf16, or FP4 codes [E, N, K/2] u8
     scale: jax.Array | None = None,  # FP8: [E, cdiv(N, b0), cdiv(K, b1)] f32; NVFP4:
     #   [E, N, K/16] e4m3; MXFP4: [E, N, K/32] u8 (E8M0)
@@ -871,7 +931,7 @@ def moe_decode_mosaic_pairs(
         else:
             a, unscale = _scaled_rows(a)  # f16 rows, [R, 1]
             if packed == 2:
-                a = permute_fp4_activations(a, tile.block_k)
+                a = permute_fp4_activations(a, tile)
         out = slot_matmul(work, a, w, scale, extra_stack, global_scale, fmt=fmt,
                           fp8_block=fp8_block, tile=tile, k_splits=splits,
                           interpret=interpret)
