@@ -272,8 +272,8 @@ def _kernel(
                     return part[...]
 
                 part = pl.run_scoped(mma, plgpu.ACC((bn, WINDOW), jnp.float32))
-                return acc + part * lax.broadcast_in_dim(scales[1], (bn, WINDOW), [0]), \
-                    scales_next
+                part = part * lax.broadcast_in_dim(scales[1], (bn, WINDOW), [0])
+                return acc + part, scales_next
 
             zeros = plgpu.layout_cast(jnp.zeros((bn, WINDOW), jnp.float32), plgpu.Layout.WGMMA)
             acc, _ = plgpu.emit_pipeline(
