@@ -10,7 +10,7 @@ run. A correctness step first compares both paths with the plain-jnp reference o
 
     python benchmarks/moe_decode_mosaic.py [--shapes ...] [--formats fp8 bf16] [--tokens ...]
                                            [--stages 2 3 4 6] [--k-splits 1,1 auto 2,2]
-                                           [--fp4-convert bits e4m3]
+                                           [--fp4-convert bits e4m3] [--block-n 64 128]
                                            [--profile] [--out FILE]
 """
 
@@ -113,7 +113,7 @@ def check(shapes, formats) -> list[dict]:
 
 
 def bench(shapes, formats, token_counts, stages, *, hbm: float, profile: bool = False,
-          k_splits=((1, 1),), converts=("bits",)) -> list[dict]:
+          k_splits=((1, 1),), converts=("bits",), block_ns=(64,)) -> list[dict]:
     rows = []
     for shape in shapes:
         for fmt in formats:
@@ -126,11 +126,13 @@ def bench(shapes, formats, token_counts, stages, *, hbm: float, profile: bool = 
                            MB=nbytes / 1e6)
                 variants = {"triton": _steps(fmt, static)[0]}
                 fp4 = fmt in ("nvfp4", "mxfp4")
-                for s, convert, splits in itertools.product(
-                        stages, converts if fp4 else ("bits",), k_splits):
-                    tiles = (choose_slot_tile(cfg.hidden_size, s, convert),
-                             choose_slot_tile(cfg.intermediate_size, s, convert))
+                for s, convert, splits, bn in itertools.product(
+                        stages, converts if fp4 else ("bits",), k_splits, block_ns):
+                    h, inter = cfg.hidden_size, cfg.intermediate_size  # 128 rows where N allows
+                    tiles = (choose_slot_tile(h, s, convert, bn if 2 * inter % bn == 0 else 64),
+                             choose_slot_tile(inter, s, convert, bn if h % bn == 0 else 64))
                     name = (f"mosaic_s{s}" + ("" if convert == "bits" else f"_{convert}")
+                            + ("" if bn == 64 else f"_n{bn}")
                             + ("" if splits == (1, 1) else "_k" + (
                                 splits if isinstance(splits, str) else
                                 "x".join(map(str, splits)))))
@@ -179,6 +181,8 @@ def main() -> None:
                              "'auto' (choose_k_splits), e.g. --k-splits 1,1 auto 2,2")
     parser.add_argument("--fp4-convert", nargs="+", default=["bits"], choices=FP4_CONVERTS,
                         help="SlotTile.fp4_convert variants of the FP4 Mosaic kernels")
+    parser.add_argument("--block-n", nargs="+", type=int, default=[64], choices=[64, 128],
+                        help="SlotTile.block_n variants (weight rows a program)")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--profile", action="store_true",
                         help="print each variant's kernels with their GPU time")
@@ -193,7 +197,8 @@ def main() -> None:
     hbm = hbm_copy_bandwidth()
     print(f"HBM copy {hbm / 1e12:.2f} TB/s", flush=True)
     rows = bench(args.shapes, args.formats, args.tokens, args.stages, hbm=hbm,
-                 profile=args.profile, k_splits=args.k_splits, converts=args.fp4_convert)
+                 profile=args.profile, k_splits=args.k_splits, converts=args.fp4_convert,
+                 block_ns=args.block_n)
     cols = sorted({c for r in rows for c in r}, key=lambda c: list(rows[0]).index(c)
                   if c in rows[0] else 99)
     out.append(f"HBM copy {hbm / 1e12:.2f} TB/s\n\n" + table(rows, cols))

@@ -116,22 +116,32 @@ def test_slot_matmul_fp4_e4m3_convert(fmt, k):
     check_slot_matmul(fmt, k, compiled=False, convert="e4m3")
 
 
+@pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4, MXFP4], ids=lambda f: f.value)
+def test_slot_matmul_block_n_128(fmt):
+    """128 weight rows a program (two 64-row wgmmas on one activation tile), K split in 3."""
+    check_slot_matmul(fmt, 192, compiled=False, block_n=128, k_splits=3)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
 @pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4, MXFP4], ids=lambda f: f.value)
 @pytest.mark.parametrize("k,k_splits", [(128, 1), (192, 1), (384, 1), (320, 1), (384, 3),
                                         (320, 5)])  # K steps: 1 x 128, 3 x 64, 3 x 128, 5 x 64
 @pytest.mark.parametrize("convert", FP4_CONVERTS)
-def test_compiled_slot_matmul_on_gpu(fmt, k, k_splits, convert):
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_compiled_slot_matmul_on_gpu(fmt, k, k_splits, convert, block_n):
     """The same items through the compiled kernels (operands in registers)."""
     if convert != "bits" and fmt not in FP4:
         pytest.skip("fp4_convert: FP4 only")
-    check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, convert=convert)
+    check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, convert=convert,
+                      block_n=block_n)
 
 
-def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, convert: str = "bits"):
+def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, convert: str = "bits",
+                      block_n: int = 64):
     rng = np.random.default_rng(3)
-    n, p = 128, 45
-    w = make_weights(rng, fmt, n, k, e=4, fp8_block=FP8_BLOCK, global_rows=2)
+    n, p = 2 * block_n, 45
+    fp8_block = FP8_BLOCK if block_n == 64 else (128, 128)
+    w = make_weights(rng, fmt, n, k, e=4, fp8_block=fp8_block, global_rows=2)
     scale, global_scale = w.get("scale"), w.get("global_scale")
     name = format_name(fmt, w["w"].dtype)
     # (expert, first row, rows): rows 0-15, 16 (1 row), 19-31 (13), 33-39 (7), 42-44 (3)
@@ -139,9 +149,9 @@ def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, convert: str
                                  [4, 0, 0], [2, 42, 3]]).T, jnp.int32)
     a_dtype = jnp.bfloat16 if fmt is BF16 else jnp.float16
     a = jnp.asarray(rng.standard_normal((window_rows(p), k)), a_dtype)
-    tile = choose_slot_tile(k, fp4_convert=convert)
+    tile = choose_slot_tile(k, fp4_convert=convert, block_n=block_n)
     a_kernel = permute_fp4_activations(a, tile) if fmt in FP4 else a
-    fp8_block = FP8_BLOCK if fmt is FP8 else None
+    fp8_block = fp8_block if fmt is FP8 else None
     out = slot_matmul(work, a_kernel, w["w"], scale, None, global_scale, fmt=name,
                       fp8_block=fp8_block, tile=tile, k_splits=k_splits,
                       interpret=not compiled)
@@ -422,19 +432,23 @@ class TestLowersForHopper:
     """The Mosaic GPU lowering (layout inference included) of the register-operand build, for
     the model shapes it serves, without a GPU (``jax.export`` for the CUDA platform)."""
 
-    @pytest.mark.parametrize("fmt,n,k,k_splits,convert", [
-        (FP8, 1536, 2048, 1, "bits"),  # Qwen3-30B-A3B gate_up
-        (FP8, 2880, 2880, 1, "bits"),  # gpt-oss-120b down: 64-wide K steps
-        (FP8, 1536, 2048, 2, "bits"),  # K over two programs
-        (BF16, 2048, 768, 1, "bits"),  # Qwen3-30B-A3B down
-        (NVFP4, 1536, 2048, 1, "bits"),
-        (NVFP4, 2048, 768, 2, "bits"),
-        (NVFP4, 1536, 2048, 1, "e4m3"),
-        (MXFP4, 5760, 2880, 1, "bits"),  # gpt-oss-120b gate_up
-        (MXFP4, 2880, 2880, 3, "bits"),
-        (MXFP4, 5760, 2880, 1, "e4m3"),
+    @pytest.mark.parametrize("fmt,n,k,k_splits,convert,block_n", [
+        (FP8, 1536, 2048, 1, "bits", 64),  # Qwen3-30B-A3B gate_up
+        (FP8, 2880, 2880, 1, "bits", 64),  # gpt-oss-120b down: 64-wide K steps
+        (FP8, 1536, 2048, 2, "bits", 64),  # K over two programs
+        (FP8, 1536, 2048, 1, "bits", 128),  # 128 weight rows a program
+        (BF16, 2048, 768, 1, "bits", 64),  # Qwen3-30B-A3B down
+        (BF16, 2048, 768, 1, "bits", 128),
+        (NVFP4, 1536, 2048, 1, "bits", 64),
+        (NVFP4, 2048, 768, 2, "bits", 64),
+        (NVFP4, 1536, 2048, 1, "e4m3", 64),
+        (NVFP4, 1536, 2048, 2, "e4m3", 128),
+        (MXFP4, 5760, 2880, 1, "bits", 64),  # gpt-oss-120b gate_up
+        (MXFP4, 2880, 2880, 3, "bits", 64),
+        (MXFP4, 5760, 2880, 1, "e4m3", 64),
+        (MXFP4, 5760, 2880, 1, "bits", 128),
     ], ids=lambda v: getattr(v, "value", v))
-    def test_lowers(self, fmt, n, k, k_splits, convert):
+    def test_lowers(self, fmt, n, k, k_splits, convert, block_n):
         """Main stack and a folded one-expert extra stack, as the decode step launches them."""
         p, e = 64, 8
         name = format_name(fmt, None)
@@ -467,7 +481,8 @@ class TestLowersForHopper:
             w, scale, glob = (*main_, *pad)
             return slot_matmul(work, a, w, scale, (*extra_, *pad), glob, fmt=name,
                                fp8_block=(128, 128) if fmt is FP8 else None,
-                               tile=choose_slot_tile(k, fp4_convert=convert),
+                               tile=choose_slot_tile(k, fp4_convert=convert,
+                                                     block_n=block_n),
                                k_splits=k_splits)
 
         text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
@@ -476,14 +491,15 @@ class TestLowersForHopper:
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
 @pytest.mark.parametrize("t", [1, 8, 33])
-@pytest.mark.parametrize("fmt,convert,k_splits", [
-    (FP8, "bits", (1, 1)), (BF16, "bits", (1, 1)), (NVFP4, "bits", (1, 1)),
-    (MXFP4, "bits", (1, 1)), (NVFP4, "e4m3", (1, 1)), (MXFP4, "e4m3", (1, 1)),
-    (FP8, "bits", (2, 2)), (NVFP4, "e4m3", (4, 2))], ids=str)
-def test_compiled_on_gpu_against_reference(fmt, convert, k_splits, t):
+@pytest.mark.parametrize("fmt,convert,k_splits,block_n", [
+    (FP8, "bits", (1, 1), 64), (BF16, "bits", (1, 1), 64), (NVFP4, "bits", (1, 1), 64),
+    (MXFP4, "bits", (1, 1), 64), (NVFP4, "e4m3", (1, 1), 64), (MXFP4, "e4m3", (1, 1), 64),
+    (FP8, "bits", (2, 2), 64), (NVFP4, "e4m3", (4, 2), 64), (FP8, "bits", (1, 1), 128),
+    (MXFP4, "e4m3", (2, 1), 128)], ids=str)
+def test_compiled_on_gpu_against_reference(fmt, convert, k_splits, block_n, t):
     """The compiled kernels (weights in registers) against the reference, rows 1e-3 .. 1e3,
     gpt-oss's interleaved, clamped activation with biases, a zero expert, 128 x 128 blocks;
-    both FP4 conversions, K split over programs."""
+    both FP4 conversions, K split over programs, 64 and 128 weight rows a program."""
     e, h, inter, k = 16, 1024, 512, 4
     rng = np.random.default_rng(t)
     kw = arrays(fmt, e=e, h=h, inter=inter, bias=True, seed=1, fp8_block=(128, 128))
@@ -493,7 +509,8 @@ def test_compiled_on_gpu_against_reference(fmt, convert, k_splits, t):
     x = rng.standard_normal((t, h)) * np.logspace(-3, 3, t)[:, None]
     x = jnp.asarray(x.astype(ml_dtypes.bfloat16))
     variant = dict(activation="gpt_oss", gate_up_layout="interleaved")
-    tile = (choose_slot_tile(h, fp4_convert=convert), choose_slot_tile(inter, fp4_convert=convert))
+    tile = (choose_slot_tile(h, fp4_convert=convert, block_n=block_n),
+            choose_slot_tile(inter, fp4_convert=convert, block_n=block_n))
     out = moe_decode_mosaic_pairs(x, ids, **kw, **variant, tile=tile, k_splits=k_splits)
     ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
     assert_pairs_close(out, ref, ids, e, tol=5e-3)

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -86,8 +87,9 @@ WINDOW = ROWS + 8  # activation rows a program reads (the wgmma's N): from an 8-
 
 @dataclasses.dataclass(frozen=True)
 class SlotTile:
-    """Tile of one program: ``block_n`` weight rows (64: one warpgroup's wgmma M), ``block_k``
-    of K per pipeline step, ``num_stages`` TMA stages in flight; ``fp4_convert``: how FP4
+    """Tile of one program (one warpgroup): ``block_n`` weight rows (the wgmma's M: 64, or 128
+    as two 64-row wgmmas that share the activation tile; 128 is not yet timed), ``block_k`` of
+    K per pipeline step, ``num_stages`` TMA stages in flight; ``fp4_convert``: how FP4
     codes become f16 (``FP4_CONVERTS``: "bits", f16 bit placement, timed on the H200;
     "e4m3", e4m3 byte placement and ``cvt.rn.f16x2.e4m3x2``, fewer instructions, not yet
     compiled or timed on a GPU)."""
@@ -98,8 +100,8 @@ class SlotTile:
     fp4_convert: str = "bits"
 
     def __post_init__(self):
-        if self.block_n != 64:
-            raise ValueError(f"SlotTile.block_n: expected 64 (one warpgroup), got {self.block_n!r}")
+        if self.block_n not in (64, 128):
+            raise ValueError(f"SlotTile.block_n: expected 64 or 128, got {self.block_n!r}")
         if self.block_k not in (64, 128):
             raise ValueError(f"SlotTile.block_k: expected 64 or 128, got {self.block_k!r}")
         if not isinstance(self.num_stages, int) or not 2 <= self.num_stages <= 8:
@@ -110,10 +112,11 @@ class SlotTile:
                              f"{self.fp4_convert!r}")
 
 
-def choose_slot_tile(k: int, num_stages: int = 4, fp4_convert: str = "bits") -> SlotTile:
+def choose_slot_tile(k: int, num_stages: int = 4, fp4_convert: str = "bits",
+                     block_n: int = 64) -> SlotTile:
     """Pure heuristic: K steps of 128 where they divide K, else 64."""
-    return SlotTile(block_k=128 if k % 128 == 0 else 64, num_stages=num_stages,
-                    fp4_convert=fp4_convert)
+    return SlotTile(block_n=block_n, block_k=128 if k % 128 == 0 else 64,
+                    num_stages=num_stages, fp4_convert=fp4_convert)
 
 
 def choose_k_splits(items: int, n: int, k: int, tile: SlotTile, *, sms: int = 132,
@@ -528,8 +531,8 @@ def _fp4_scales_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
         ptr = mgpu.utils.memref_ptr(ref)
         factors = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, 16)), object)
         row_scales = np.empty(mgpu.WGMMA_ROW_LAYOUT.registers_shape((bn,)), object)
-        for i in range(2):
-            r = arith.addi(first_row.registers.item(), arith.addi(row, _i32(8 * i)))
+        for m, i in itertools.product(range(bn // 64), range(2)):  # 64-row tile, row half
+            r = arith.addi(first_row.registers.item(), arith.addi(row, _i32(64 * m + 8 * i)))
             base = arith.addi(arith.muli(r, _i32(stride)), first_col.registers.item())
             if not mx:  # e4m3 bytes of groups own (and own + 1), 2-aligned when two
                 at = arith.addi(base, own)
@@ -558,10 +561,10 @@ def _fp4_scales_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
                 lo = hi = _splat_f16x2(bits)
                 scale_bits = arith.shli(arith.minui(arith.addi(top, _i32(placement)),
                                                     _i32(255)), _i32(23))  # 2^(s_max-127+P)
-                row_scales[0, 0, i, 0, 0] = mgpu.utils.bitcast(
+                row_scales[m, 0, i, 0, 0] = mgpu.utils.bitcast(
                     scale_bits, ir.VectorType.get((1,), ir.F32Type.get()))
-            factors[0, 0, 0, 0, i, 0, 0, 0, 0] = lo
-            factors[0, 1, 0, 0, i, 0, 0, 0, 0] = hi
+            factors[m, 0, 0, 0, i, 0, 0, 0, 0] = lo
+            factors[m, 1, 0, 0, i, 0, 0, 0, 0] = hi
         out = (mgpu.FragmentedArray(_registers=factors, _layout=mgpu.WGMMA_LAYOUT,
                                     _is_signed=None),)
         if mx:
@@ -617,11 +620,11 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
         f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
         row, quad = _thread_rows()
         ptr = mgpu.utils.memref_ptr(ref)
-        # register [0, b, 0, 0, i, ...]: row half i, columns 8b + 2c, 8b + 2c + 1
+        # register [m, b, 0, 0, i, ...]: 64-row tile m, row half i, columns 8b + 2c, 8b + 2c + 1
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, bk)), object)
         first = arith.muli(quad, _i32(bk // 8))  # the thread's first byte of a row
-        for i in range(2):
-            r = arith.addi(row, _i32(8 * i))
+        for m, i in itertools.product(range(bn // 64), range(2)):
+            r = arith.addi(row, _i32(64 * m + 8 * i))
             # tiles of 8 rows; in a tile, byte t = (r % 8) * row_bytes + first, its 16-byte
             # chunk XOR-ed with (t // 128) % (row_bytes // 16) (Mosaic GPU's swizzle)
             t = arith.addi(arith.muli(arith.remui(r, _i32(8)), _i32(row_bytes)), first)
@@ -634,10 +637,10 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
                                       static_position=ir.DenseI64ArrayAttr.get([w]))
                 # words 0-1 lie in the thread's first scale group, 2-3 in its second
                 # (NVFP4 at bk = 128; elsewhere both carrier slots hold the same factor)
-                f = fac.registers[0, w // 2, 0, 0, i, 0, 0, 0, 0]
+                f = fac.registers[m, w // 2, 0, 0, i, 0, 0, 0, 0]
                 for col_block, pair in _fp4_word_to_f16x2(word, tile.fp4_convert):
                     val = arith.mulf(mgpu.utils.bitcast(pair, f16x2), f)
-                    regs[0, 4 * w + col_block, 0, 0, i, 0, 0, 0, 0] = val
+                    regs[m, 4 * w + col_block, 0, 0, i, 0, 0, 0, 0] = val
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     return convert(w_smem, factors)
