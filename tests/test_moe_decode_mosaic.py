@@ -514,3 +514,10 @@ def test_compiled_on_gpu_against_reference(fmt, convert, k_splits, block_n, t):
     out = moe_decode_mosaic_pairs(x, ids, **kw, **variant, tile=tile, k_splits=k_splits)
     ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
     assert_pairs_close(out, ref, ids, e, tol=5e-3)
+
+
+def test_pairs_k_splits_bad_value_raises():
+    kw = arrays(FP8)
+    with pytest.raises(ValueError, match="k_splits: expected"):
+        moe_decode_mosaic_pairs(x_rows(1), routing("random", 1, 2), interpret=True,
+                                k_splits=3, **kw)

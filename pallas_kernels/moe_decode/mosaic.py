@@ -889,7 +889,9 @@ def moe_decode_mosaic_pairs(
     """Routed expert outputs of each (token, slot) pair ``[T, k, H]`` f32 (zero experts: 0),
     as ``kernel.moe_decode_pairs``, through the Mosaic GPU launches (module docstring); h
     between them is rounded to bf16 as there. ``extra`` (the shared expert folded in): same
-    format and per-expert shapes, no biases."""
+    format and per-expert shapes, no biases. ``tile`` (``SlotTile`` of each launch: K step,
+    stages, weight rows a program, FP4 conversion) and ``k_splits`` (``slot_matmul``'s, per
+    launch; "auto": ``choose_k_splits``) default to the settings timed on the H200."""
     activation = Activation.coerce(activation)
     layout = GateUpLayout.coerce(gate_up_layout)
     if activation is Activation.GPT_OSS and limit is None:
@@ -923,8 +925,11 @@ def moe_decode_mosaic_pairs(
         tile = (choose_slot_tile(hidden), choose_slot_tile(inter))
     if k_splits == "auto":
         items = min(e_all, expert_ids.size)
-        k_splits = (choose_k_splits(items, two_i, hidden, tile[0]),
-                    choose_k_splits(items, hidden, inter, tile[1]))
+        sms = getattr(jax.devices()[0], "core_count", None) or 132  # SMs (H200: 132)
+        k_splits = (choose_k_splits(items, two_i, hidden, tile[0], sms=sms),
+                    choose_k_splits(items, hidden, inter, tile[1], sms=sms))
+    elif not (isinstance(k_splits, tuple) and len(k_splits) == 2):
+        raise ValueError(f"k_splits: expected (gate_up, down) ints or 'auto', got {k_splits!r}")
 
     def launch(a, w, scale, global_scale, extra_stack, tile, splits):
         """``a [R, K]`` (sorted rows) through one launch: ``[R, N]`` f32 (rows past the items'
