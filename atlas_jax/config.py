@@ -132,7 +132,7 @@ class GmmKernel(enum.Enum):
 
     AUTO = "auto"  # Mosaic GPU where it supports the call and measured faster on Hopper (sm_90)
     TRITON = "triton"  # Triton lowering: every format, every NVIDIA generation
-    MOSAIC = "mosaic"  # Mosaic GPU (TMA + wgmma), sm_90: prefill BF16; decode BF16 and FP8
+    MOSAIC = "mosaic"  # Mosaic GPU (TMA + wgmma), sm_90: prefill BF16; decode BF16, FP8, FP4
 
 
 class MoEPath(enum.Enum):
