@@ -516,8 +516,14 @@ def test_compiled_on_gpu_against_reference(fmt, convert, k_splits, block_n, t):
     assert_pairs_close(out, ref, ids, e, tol=5e-3)
 
 
-def test_pairs_k_splits_bad_value_raises():
+def test_pairs_k_splits_auto_and_bad_values():
+    """k_splits="auto" resolves per launch (choose_k_splits; here 1: three K steps) and runs;
+    anything but a (gate_up, down) pair or "auto" raises."""
     kw = arrays(FP8)
-    with pytest.raises(ValueError, match="k_splits: expected"):
-        moe_decode_mosaic_pairs(x_rows(1), routing("random", 1, 2), interpret=True,
-                                k_splits=3, **kw)
+    x, ids = x_rows(1), routing("random", 1, 2)
+    out = moe_decode_mosaic_pairs(x, ids, interpret=True, k_splits="auto", **kw)
+    ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw)
+    assert_pairs_close(out, ref, ids, E)
+    for bad in (3, (2,), "fast"):
+        with pytest.raises(ValueError, match="k_splits: expected"):
+            moe_decode_mosaic_pairs(x, ids, interpret=True, k_splits=bad, **kw)
