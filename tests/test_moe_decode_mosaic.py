@@ -20,11 +20,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax import export
+from jax._src import mesh as mesh_lib
 
 import atlas_jax as aj
 from atlas_jax.config import ActQuant, Format
 from pallas_kernels.grouped_matmul.config import WeightFormat
 from pallas_kernels.moe_decode import ExtraExperts, make_plan, moe_decode_pairs_reference
+from pallas_kernels.moe_decode.kernel import PALLAS_PLAN_MAX_PAIRS
 from pallas_kernels.moe_decode.mosaic import (
     FP4_CONVERTS,
     ROWS,
@@ -188,7 +190,11 @@ def test_work_items_cut_each_slot_into_chunks(pattern, t, k):
     other row; items past the last have 0 rows; the static bound W = U + cdiv(P, 16) holds."""
     ids = routing(pattern, t, k)
     plan = make_plan(ids, E)
-    items = np.asarray(work_items(plan))
+    items = np.asarray(work_items(plan))  # XLA (pairwise_items)
+    if t * k <= PALLAS_PLAN_MAX_PAIRS:  # the same items from the Pallas plan launch
+        in_plan = make_plan(ids, E, pallas=True, interpret=True, item_rows=ROWS)
+        np.testing.assert_array_equal(np.asarray(work_items(in_plan)), items)
+        np.testing.assert_array_equal(np.asarray(in_plan.work), np.asarray(plan.work))
     expert, first, rows = np.asarray(plan.work)
     p = t * k
     chex.assert_shape(items, (3, min(E, p) + -(-p // ROWS)))
@@ -206,6 +212,29 @@ def test_work_items_cut_each_slot_into_chunks(pattern, t, k):
     np.testing.assert_array_equal(covered[:routed], 1, err_msg="routed rows once")
     np.testing.assert_array_equal(covered[routed:], 0)
     assert (np.diff(istart[live]) > 0).all(), "items in sorted-row order"
+
+
+@pytest.mark.parametrize("t,k,e", [(1, 8, 128), (8, 8, 128), (16, 8, 128), (2, 9, 257)])
+def test_plan_with_items_lowers_for_the_gpu(t, k, e):
+    """The Pallas plan launch with the work items in it lowers through Pallas' Triton path
+    (for an abstract H200), and on a GPU gives the items XLA cuts from the XLA plan."""
+    def f(ids):
+        plan = make_plan(ids, e, pallas=True, item_rows=ROWS)
+        return plan.items, plan.work
+
+    if ON_GPU:
+        ids = jnp.asarray(np.random.default_rng(t).integers(0, e + 1, (t, k)), jnp.int32)
+        items, work = jax.jit(f)(ids)
+        want = make_plan(ids, e)  # the XLA plan, its items cut in XLA
+        np.testing.assert_array_equal(np.asarray(items), np.asarray(work_items(want)))
+        np.testing.assert_array_equal(np.asarray(work), np.asarray(want.work))
+        return
+    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(f).trace(jax.ShapeDtypeStruct((t, k), jnp.int32)).lower(
+            lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1  # one launch
 
 
 @pytest.mark.parametrize("convert", FP4_CONVERTS)
@@ -270,7 +299,7 @@ def test_slot_matmul_bad_inputs_raise():
 
 CASES = [  # (T, k, format, variant, patterns); k_splits: gate_up's 3 K steps in 3 programs
     (1, 4, FP8, dict(), ("random",)),
-    (1, 4, FP8, dict(k_splits=(3, 1)), ("random",)),
+    (1, 4, FP8, dict(k_splits=(3, 1), items_in_plan=True), ("random",)),
     (3, 3, FP8, dict(activation="silu", limit=0.3, bias=True), ("random", "zero_experts")),
     (8, 2, FP8, dict(activation="gpt_oss", gate_up_layout="interleaved", limit=0.5,
                      bias=True), ("repeated", "dup_in_token")),
@@ -293,11 +322,11 @@ CASES = [  # (T, k, format, variant, patterns); k_splits: gate_up's 3 K steps in
 def test_pairs_against_reference(t, k, fmt, variant, patterns):
     variant = dict(variant)
     kw = arrays(fmt, bias=variant.pop("bias", False))
-    splits = variant.pop("k_splits", (1, 1))
+    opts = {key: variant.pop(key) for key in ("k_splits", "items_in_plan") if key in variant}
     x = x_rows(t)
     for i, pattern in enumerate(patterns):
         ids = routing(pattern, t, k, seed=i)
-        out = moe_decode_mosaic_pairs(x, ids, interpret=True, k_splits=splits, **kw, **variant)
+        out = moe_decode_mosaic_pairs(x, ids, interpret=True, **opts, **kw, **variant)
         ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
         assert_pairs_close(out, ref, ids, E)
 

@@ -129,6 +129,9 @@ class DecodePlan(NamedTuple):
     token_of_row: jax.Array  # [P] int32 token of each sorted row
     row_of_pair: jax.Array  # [T, k] int32 sorted row of each (token, slot) pair
     routed: jax.Array  # [T, k] bool: the pair goes to a real expert (False: zero expert)
+    # [3, W] int32 work items (make_plan's item_rows): each slot cut into chunks of at most
+    # item_rows rows (expert, first sorted row, row count; items past the last: 0 rows)
+    items: jax.Array | None = None
 
 
 # Up to this many pairs the plan is built from pairwise comparisons (three small reductions, no
@@ -140,18 +143,49 @@ PALLAS_PLAN_MAX_PAIRS = 128
 
 
 def make_plan(expert_ids: jax.Array, num_experts: int, *, pallas: bool = False,
-              interpret: bool = False) -> DecodePlan:
+              interpret: bool = False, item_rows: int | None = None) -> DecodePlan:
     """Work list of ``expert_ids [T, k]``; ``U = min(E, P)`` slots (a static bound on the
     distinct experts). ``P = T*k <= DENSE_PLAN_MAX_PAIRS``: ``_dense_plan``, else
     ``_sorted_plan``; both give the same plan (slots in increasing expert id, idle slots last,
     rows in the stable sort order). ``pallas`` and ``P <= PALLAS_PLAN_MAX_PAIRS``: the dense
-    plan as one Pallas launch (``interpret``: in interpret mode), the same plan."""
+    plan as one Pallas launch (``interpret``: in interpret mode), the same plan. ``item_rows``:
+    that launch also cuts the slots into work items (``pairwise_items``, the plan's ``items``);
+    the XLA plans leave ``items`` None (``mosaic.work_items`` then cuts them in XLA)."""
     t, k = expert_ids.shape
     if pallas and t * k <= PALLAS_PLAN_MAX_PAIRS:
-        return _pallas_plan(expert_ids, num_experts, interpret=interpret)
+        return _pallas_plan(expert_ids, num_experts, interpret=interpret, item_rows=item_rows)
     if t * k <= DENSE_PLAN_MAX_PAIRS:
         return _dense_plan(expert_ids, num_experts)
     return _sorted_plan(expert_ids, num_experts)
+
+
+def num_items(slots: int, pairs: int, item_rows: int) -> int:
+    """A static bound on the work items: ``sum(cdiv(rows_u, item_rows)) <= U + P / item_rows``."""
+    return slots + pl.cdiv(pairs, item_rows)
+
+
+def pairwise_items(expert, first, rows, *, slots: int, num_items: int, item_rows: int):
+    """Work items from the plan's slots (``[n]`` arrays, the first ``slots`` real, the rest idle
+    padding with 0 rows), in ops Pallas' Triton lowering takes (comparisons and sums, no scan
+    or gather): slot u's rows cut into ``cdiv(rows_u, item_rows)`` chunks, in order, as
+    ``mosaic.work_items`` cuts them in XLA. Returns (expert, first row, row count) ``[m]``
+    for the items ``w < m`` (``m >= num_items``); items past the last have 0 rows and the
+    last real slot's expert."""
+    n = expert.shape[0]
+    m = max(num_items, 1)
+    u = jnp.arange(n, dtype=jnp.int32)
+    chunks = jax.lax.div(rows + (item_rows - 1), jnp.int32(item_rows))  # [n]
+    ends = jnp.sum(jnp.where(u[None, :] <= u[:, None], chunks[None, :], 0), axis=1)  # cumsum
+    w = jnp.arange(m, dtype=jnp.int32)
+    slot = _count(ends[None, :] <= w[:, None], axis=1)  # [m] the item's slot (>= slots: none)
+    hit = jnp.minimum(slot, slots - 1)[:, None] == u[None, :]  # [m, n]
+
+    def pick(v):
+        return jnp.sum(jnp.where(hit, v[None, :], 0), axis=1)
+
+    c = w - pick(ends - chunks)  # the chunk within its slot
+    count = jnp.where(slot < slots, jnp.clip(pick(rows) - c * item_rows, 0, item_rows), 0)
+    return pick(expert), pick(first) + c * item_rows, count
 
 
 def _plan_keys(ids, num_experts):
@@ -213,9 +247,10 @@ def _dense_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
     )
 
 
-def _plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *, p: int, k: int,
-                 num_experts: int, slots: int):
-    """One program: ``_pairwise_plan`` on the ``p`` pair ids, padded to a power of two."""
+def _plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *items_ref, p: int, k: int,
+                 num_experts: int, slots: int, item_rows: int | None):
+    """One program: ``_pairwise_plan`` on the ``p`` pair ids, padded to a power of two (and
+    ``pairwise_items`` on its slots)."""
     n = max(16, pl.next_power_of_2(p))
     idx = jnp.arange(n, dtype=jnp.int32)
     valid = idx < p
@@ -230,25 +265,38 @@ def _plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *, p: int
     u = jnp.arange(padded_slots, dtype=jnp.int32)
     for i, v in enumerate(work):
         plgpu.store(work_ref.at[jnp.int32(i), u], v, mask=u < slots)
+    if item_rows is not None:
+        (items_ref,) = items_ref
+        m = items_ref.shape[1]
+        w = jnp.arange(max(16, pl.next_power_of_2(m)), dtype=jnp.int32)
+        for i, v in enumerate(pairwise_items(*work, slots=slots, num_items=w.shape[0],
+                                             item_rows=item_rows)):
+            plgpu.store(items_ref.at[jnp.int32(i), w], v, mask=w < m)
 
 
-def _pallas_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool) -> DecodePlan:
+def _pallas_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool,
+                 item_rows: int | None = None) -> DecodePlan:
     """``_dense_plan``'s plan from one Pallas launch (P <= PALLAS_PLAN_MAX_PAIRS)."""
     t, k = expert_ids.shape
     p = t * k
     slots = min(num_experts, p)
     flat = expert_ids.reshape(p).astype(jnp.int32)
-    work, token_of_row, row_of_pair = pl.pallas_call(
-        functools.partial(_plan_kernel, p=p, k=k, num_experts=num_experts, slots=slots),
-        out_shape=[jax.ShapeDtypeStruct((3, slots), jnp.int32),
-                   jax.ShapeDtypeStruct((p,), jnp.int32),
-                   jax.ShapeDtypeStruct((p,), jnp.int32)],
+    out_shape = [jax.ShapeDtypeStruct((3, slots), jnp.int32),
+                 jax.ShapeDtypeStruct((p,), jnp.int32),
+                 jax.ShapeDtypeStruct((p,), jnp.int32)]
+    if item_rows is not None:
+        out_shape.append(jax.ShapeDtypeStruct((3, num_items(slots, p, item_rows)), jnp.int32))
+    work, token_of_row, row_of_pair, *items = pl.pallas_call(
+        functools.partial(_plan_kernel, p=p, k=k, num_experts=num_experts, slots=slots,
+                          item_rows=item_rows),
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="moe_decode_plan",
     )(flat)
     return DecodePlan(work=work, token_of_row=token_of_row, row_of_pair=row_of_pair.reshape(t, k),
-                      routed=_plan_keys(flat, num_experts)[1].reshape(t, k))
+                      routed=_plan_keys(flat, num_experts)[1].reshape(t, k),
+                      items=items[0] if items else None)
 
 
 def _sorted_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:

@@ -10,7 +10,7 @@ e4m3 -> f16 in registers (``cvt.rn.f16x2.e4m3x2``, one warp shuffle to the 16-bi
 layout), and into ``wgmma`` as the A operand: no second trip through SMEM.
 
 Work items. The decode plan (``kernel.make_plan``: pairs sorted by expert, one slot per
-distinct expert) is cut into chunks of at most 16 rows (``chunk_plan``): work item ``w`` owns
+distinct expert) is cut into chunks of at most 16 rows (``work_items``): work item ``w`` owns
 sorted rows ``[start_w, start_w + count_w)`` of one expert ``e_w``; there are at most
 ``U + P / 16`` of them (a static bound; unused items have 0 rows and their programs exit at
 once). The activations come in sorted-row order ``a [R, K]`` (``R = window_rows(P)``: the
@@ -77,6 +77,7 @@ from pallas_kernels.moe_decode.kernel import (
     ExtraExperts,
     _epilogue,
     make_plan,
+    num_items,
     pairs_of,
 )
 from pallas_kernels.paged_attention.decode import _pow2_row_scales
@@ -816,13 +817,18 @@ def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, fmt: str
 def work_items(plan: DecodePlan) -> jax.Array:
     """``[3, W]`` int32 (expert, first sorted row, row count): the decode plan's slots cut into
     items of at most ``ROWS`` rows, on device; items past the last have 0 rows (their expert
-    is an idle slot's). ``W = U + cdiv(P, ROWS)`` bounds ``sum(cdiv(rows_u, ROWS))``."""
+    is an idle slot's). ``W = U + cdiv(P, ROWS)`` bounds ``sum(cdiv(rows_u, ROWS))``. The
+    plan's own ``items`` where its Pallas launch made them (``make_plan(item_rows=ROWS)``,
+    ``kernel.pairwise_items``), else here in XLA (a cumsum: fewer fusions than the pairwise
+    form)."""
+    if plan.items is not None:
+        return plan.items
     expert, first, rows = plan.work  # [U]
     u_slots = expert.shape[0]
-    num_items = u_slots + pl.cdiv(plan.token_of_row.shape[0], ROWS)
+    items = num_items(u_slots, plan.token_of_row.shape[0], ROWS)
     chunks = lax.div(rows + ROWS - 1, ROWS)  # [U]
     ends = jnp.cumsum(chunks)  # [U] inclusive
-    w = jnp.arange(num_items, dtype=jnp.int32)
+    w = jnp.arange(items, dtype=jnp.int32)
     slot = jnp.sum((ends[None, :] <= w[:, None]).astype(jnp.int32), axis=1)  # [W]
     slot_c = jnp.minimum(slot, u_slots - 1)
     c = w - (ends[slot_c] - chunks[slot_c])  # chunk within its slot
@@ -839,7 +845,7 @@ def _scaled_rows(v):
 
 
 _MOSAIC_STATIC = ("fmt", "activation", "gate_up_layout", "limit", "alpha", "block_size", "tile",
-                  "k_splits", "interpret")
+                  "k_splits", "items_in_plan", "interpret")
 _FMT_NAMES = {WeightFormat.BF16: "bf16", WeightFormat.FP8_BLOCK: "fp8",
               WeightFormat.NVFP4: "nvfp4", WeightFormat.MXFP4: "mxfp4"}
 
@@ -883,6 +889,8 @@ def moe_decode_mosaic_pairs(
     tile: tuple[SlotTile, SlotTile] | None = None,  # (gate_up, down); None: choose_slot_tile
     k_splits: tuple[int, int] | str = (1, 1),  # (gate_up, down) K splits; "auto":
     #   choose_k_splits (not yet timed)
+    items_in_plan: bool = False,  # the work items inside the Pallas plan launch (few tokens:
+    #   2-3 XLA launches fewer; not yet timed)
     interpret: bool = False,
     extra: ExtraExperts | None = None,  # a second stack: expert ids E .. E + E2 - 1
 ) -> jax.Array:
@@ -917,7 +925,8 @@ def moe_decode_mosaic_pairs(
         if extra.gate_up_bias is not None or extra.down_bias is not None:
             raise ValueError("extra: biases are not supported")
         e_all += extra.gate_up.shape[0]
-    plan = make_plan(expert_ids, e_all, pallas=not interpret, interpret=interpret)
+    plan = make_plan(expert_ids, e_all, pallas=not interpret, interpret=interpret,
+                     item_rows=ROWS if items_in_plan else None)
     p = plan.token_of_row.shape[0]
     rows = window_rows(p)  # sorted rows, then rows no item owns (inside the last windows)
     work = work_items(plan)
