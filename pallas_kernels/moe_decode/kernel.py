@@ -13,7 +13,9 @@ experts have 0 rows (their programs exit at once). ``token_of_row [P]`` maps a s
 token, ``row_of_pair [T, k]`` a pair to its sorted row. The decode entries build it from
 pairwise comparisons of the pair ids (no sort): for up to ``PALLAS_PLAN_MAX_PAIRS`` pairs in
 one Pallas program (one launch; XLA's form of the same algebra takes six or seven small
-fusions), up to ``DENSE_PLAN_MAX_PAIRS`` in XLA, and beyond that by a sort.
+fusions), up to ``DENSE_PLAN_MAX_PAIRS`` in XLA, and beyond that by a sort. The Pallas program
+can also cut the slots into the Mosaic GPU kernels' work items (``item_rows``,
+``pairwise_items``).
 
 Kernel 1 (gate_up), grid ``(U, cdiv(I, block_n))``: the program of slot u gathers its rows of
 ``x`` through ``token_of_row`` (``block_m`` = 16 at a time: one chunk for up to 16 pairs, the
