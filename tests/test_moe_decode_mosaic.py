@@ -118,10 +118,12 @@ def test_slot_matmul_fp4_e4m3_convert(fmt, k):
     check_slot_matmul(fmt, k, compiled=False, convert="e4m3")
 
 
-@pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4, MXFP4], ids=lambda f: f.value)
-def test_slot_matmul_block_n_128(fmt):
+@pytest.mark.parametrize("fmt,convert", [(FP8, "bits"), (BF16, "bits"), (NVFP4, "bits"),
+                                         (MXFP4, "bits"), (NVFP4, "e4m3"), (MXFP4, "e4m3")],
+                         ids=str)
+def test_slot_matmul_block_n_128(fmt, convert):
     """128 weight rows a program (two 64-row wgmmas on one activation tile), K split in 3."""
-    check_slot_matmul(fmt, 192, compiled=False, block_n=128, k_splits=3)
+    check_slot_matmul(fmt, 192, compiled=False, block_n=128, k_splits=3, convert=convert)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
