@@ -21,10 +21,12 @@ and its item's rows sit at offset ``start_w % 8`` in it.
 Kernel (``slot_matmul``): ``out[r, n] = sum_k w[e_w, n, k] * scale(e_w, n, k) * a[r, k]`` for
 every sorted row ``r`` of every item, in sorted-row order like the Triton kernels' output
 (``out`` has ``a``'s R rows, so the glue between the launches needs no padding copies); other
-rows of ``out`` are not written. Grid ``(W, N / 64)``, one warpgroup a program: 64 weight
-rows are the wgmma's M, the 24-row window its N. The transposed accumulator ``[64, 24]`` is
-stored transposed into SMEM (``WGMMA_TRANSPOSED`` layout) and the item's rows leave by TMA, one
-store per set bit of its row count (a TMA box has a static shape; no other row is touched).
+rows of ``out`` are not written. Grid ``(W, N / bn[, k_splits])``, one warpgroup a program:
+``bn`` = 64 (or 128: two 64-row wgmmas) weight rows are the wgmma's M, the 24-row window its N.
+The transposed accumulator ``[bn, 24]`` is stored transposed into SMEM (``WGMMA_TRANSPOSED``
+layout) and the item's rows leave by TMA, one store per set bit of its row count (a TMA box
+has a static shape; no other row is touched). With ``k_splits`` > 1 each program dots a
+contiguous share of the K steps into its own copy of the output rows, summed by XLA.
 
 Formats: FP8_BLOCK (e4m3 weights, f32 block scales ``[E, cdiv(N, b0), cdiv(K, b1)]``: each K
 step's partial is multiplied by its block scale; 64 divides ``b0`` and ``block_k`` divides
