@@ -30,6 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from atlas_jax.ops.activation import GateUp  # noqa: E402
+from atlas_jax.ops.moe_decode import _weight_kwargs  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     device_busy,
     device_kernels,
@@ -46,23 +48,19 @@ from pallas_kernels.moe_decode.mosaic import (  # noqa: E402
 )
 
 ROTATE = 8
-WEIGHT_FORMATS = {"fp8": "fp8_block", "bf16": "bf16", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
+WEIGHT_FORMATS = ("fp8", "bf16", "nvfp4", "mxfp4")  # benchmarks.moe_decode's format names
+_STATIC = ("fmt", "activation", "gate_up_layout", "limit", "block_size", "interpret")
 
 
 def _layer_args(shape: str, fmt: str):
-    """(arrays, static keywords) of the routed experts of ``shape`` in ``fmt``."""
+    """(arrays, static keywords) of the routed experts of ``shape`` in ``fmt``: the keywords
+    ``moe_forward``'s decode variant passes both kernel families (``_weight_kwargs``)."""
     p = make_layer(shape, fmt)
     cfg = p.config
-    arrays = dict(gate_up=p.gate_up.data, down=p.down.data, gate_up_bias=p.gate_up_bias,
-                  down_bias=p.down_bias, gate_up_scale=p.gate_up.scale, down_scale=p.down.scale,
-                  gate_up_global_scale=p.gate_up.global_scale,
-                  down_global_scale=p.down.global_scale)
-    static = dict(fmt=WEIGHT_FORMATS[fmt], activation=cfg.activation.value,
-                  gate_up_layout=cfg.gate_up_layout.value)
-    if fmt == "fp8":
-        static["block_size"] = tuple(p.gate_up.block)
-    if cfg.activation.value == "gpt_oss":
-        static["limit"] = cfg.swiglu_limit
+    kw = _weight_kwargs(p.gate_up, p.down, None, GateUp.of(cfg))
+    static = {name: kw.pop(name) for name in _STATIC if name in kw}
+    arrays = dict(kw, gate_up=p.gate_up.data, down=p.down.data, gate_up_bias=p.gate_up_bias,
+                  down_bias=p.down_bias)
     nbytes = (p.gate_up.nbytes + p.down.nbytes) / cfg.num_experts
     return arrays, static, nbytes, cfg
 
@@ -176,7 +174,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b"], choices=list(SHAPES))
     parser.add_argument("--formats", nargs="+", default=["fp8", "bf16"],
-                        choices=list(WEIGHT_FORMATS))
+                        choices=WEIGHT_FORMATS)
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64])
     parser.add_argument("--stages", nargs="+", type=int, default=[4])
     parser.add_argument("--k-splits", nargs="+", type=_splits, default=[(1, 1)],
