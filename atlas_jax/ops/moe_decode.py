@@ -12,9 +12,9 @@ them, with no host sync:
   quantized weights once, dequantizing in registers, with the gate_up epilogue fused.
   ``KernelConfig.decode_kernel`` picks the family: the Triton-lowering kernels (every format),
   or the Mosaic GPU ones (``pallas_kernels.moe_decode.mosaic``: Hopper, BF16 / FP8 / NVFP4 /
-  MXFP4 weights, the weight tile as the wgmma's register operand); "auto" takes Mosaic GPU for
-  FP8 W8A16 on sm_90, where it measured 1.2-1.4x faster at 8-64 tokens (H200,
-  benchmarks/RESULTS.md); FP4 on Mosaic GPU is opt-in ("mosaic") until it is timed.
+  MXFP4 weights, the weight tile as the wgmma's register operand); "auto" takes Mosaic GPU on
+  sm_90 for FP8 W8A16, where it measured 1.2-1.4x faster at 8-64 tokens, and for NVFP4 / MXFP4
+  from ``MOSAIC_FP4_MIN_TOKENS`` tokens on (H200, benchmarks/RESULTS.md).
 
 ``extra``: a second expert stack (``(gate_up, down)``, ``[E2, ...]``) whose experts the ids
 ``E .. E + E2 - 1`` name: a model's shared expert folded into the routed step

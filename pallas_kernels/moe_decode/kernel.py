@@ -170,17 +170,16 @@ def pairwise_items(expert, first, rows, *, slots: int, num_items: int, item_rows
     """Work items from the plan's slots (``[n]`` arrays, the first ``slots`` real, the rest idle
     padding with 0 rows), in ops Pallas' Triton lowering takes (comparisons and sums, no scan
     or gather): slot u's rows cut into ``cdiv(rows_u, item_rows)`` chunks, in order, as
-    ``mosaic.work_items`` cuts them in XLA. Returns (expert, first row, row count) ``[m]``
-    for the items ``w < m`` (``m >= num_items``); items past the last have 0 rows and the
-    last real slot's expert."""
+    ``mosaic.work_items`` cuts them in XLA. Returns (expert, first row, row count)
+    ``[num_items]`` (the plan program passes a power of two above the bound); items past the
+    last have 0 rows and the last real slot's expert."""
     n = expert.shape[0]
-    m = max(num_items, 1)
     u = jnp.arange(n, dtype=jnp.int32)
     chunks = jax.lax.div(rows + (item_rows - 1), jnp.int32(item_rows))  # [n]
     ends = jnp.sum(jnp.where(u[None, :] <= u[:, None], chunks[None, :], 0), axis=1)  # cumsum
-    w = jnp.arange(m, dtype=jnp.int32)
-    slot = _count(ends[None, :] <= w[:, None], axis=1)  # [m] the item's slot (>= slots: none)
-    hit = jnp.minimum(slot, slots - 1)[:, None] == u[None, :]  # [m, n]
+    w = jnp.arange(num_items, dtype=jnp.int32)
+    slot = _count(ends[None, :] <= w[:, None], axis=1)  # the item's slot (>= slots: none)
+    hit = jnp.minimum(slot, slots - 1)[:, None] == u[None, :]  # [num_items, n]
 
     def pick(v):
         return jnp.sum(jnp.where(hit, v[None, :], 0), axis=1)

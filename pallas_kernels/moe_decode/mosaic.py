@@ -125,7 +125,7 @@ def choose_slot_tile(k: int, num_stages: int = 4, fp4_convert: str = "bits",
 def choose_k_splits(items: int, n: int, k: int, tile: SlotTile, *, sms: int = 132,
                     per_sm: int = 4) -> int:
     """Pure heuristic: the largest split of K (a divisor of its steps, at least 2 steps a
-    program) whose ``items * n / 64 * split`` programs stay within 1.25 x ``per_sm`` programs
+    program) whose ``items * n / block_n * split`` programs stay within 1.25 x ``per_sm`` programs
     an SM (``items``: the work items expected, e.g. ``min(experts, tokens * top_k)``). Not
     yet timed on a GPU: ``moe_decode_mosaic_pairs`` takes it only where asked
     (``k_splits="auto"``)."""
@@ -395,8 +395,9 @@ def _kernel(
 # by one of at most two per-row factors: NVFP4 the e4m3 scale ``s`` times ``2^NV_SHIFT`` (the
 # product, ``e2m1 * s * 2^(NV_SHIFT - PLACEMENT)``, is exact in f16: a multiple of 2^-16 with
 # at most 6 significant bits), MXFP4 ``2^(s - s_max)`` against the largest scale of the row's
-# K step (``e8m0_step_to_f16``; exact down to ``s - s_max = 15 - PLACEMENT - 1``; the step's
-# partial is multiplied by ``2^(s_max - 127 + PLACEMENT)``).
+# K step (``e8m0_step_to_f16``; exact for ``s - s_max >= PLACEMENT - 23``, where the product's
+# lowest bit stays >= 2^-24; the step's partial is multiplied by ``2^(s_max - 127 +
+# PLACEMENT)``).
 
 def _code_transforms(block_k: int):
     """Code tiles ``[bn, bk / 2]`` u8 in SMEM: one swizzled tile a row (64 or 32 bytes), so a
@@ -613,7 +614,6 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
     bn, bk = tile.block_n, tile.block_k
     words = bk // 32  # 32-bit words a thread reads of a row
     operand = plgpu.ShapeDtypeStruct((bn, bk), jnp.float16, layout=plgpu.Layout.WGMMA)
-
     row_bytes = bk // 2  # = the code tile's swizzle (_code_transforms)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_code_transforms(bk)), plgpu.Layout.WGMMA),
@@ -709,7 +709,7 @@ def slot_matmul(
     """``out [R, N]`` f32 in sorted-row order, row for row with ``a`` (see the module
     docstring; rows no item owns are not written). Items own rows below ``P`` where ``R >=
     window_rows(P)`` (every item's window inside ``a``: the caller's contract, data-dependent).
-    ``k_splits`` > 1 splits K over that many programs per (item, 64 rows), each with its own
+    ``k_splits`` > 1 splits K over that many programs per (item, block_n rows), each with its own
     output rows, summed here (more programs for few tokens); it must divide ``K / block_k``.
     ``interpret=True`` runs the Mosaic GPU interpreter (CPU tests)."""
     if a.ndim != 2 or w.ndim != 3:
