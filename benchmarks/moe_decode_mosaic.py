@@ -203,8 +203,7 @@ def main() -> None:
                  profile=args.profile, k_splits=args.k_splits, converts=args.fp4_convert,
                  block_ns=args.block_n,
                  items_in_plan=(False, True) if args.items_in_plan else (False,))
-    cols = sorted({c for r in rows for c in r}, key=lambda c: list(rows[0]).index(c)
-                  if c in rows[0] else 99)
+    cols = list(dict.fromkeys(c for r in rows for c in r))  # first seen first (per format)
     out.append(f"HBM copy {hbm / 1e12:.2f} TB/s\n\n" + table(rows, cols))
     text = "\n\n".join(out)
     print(text)

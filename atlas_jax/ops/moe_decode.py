@@ -13,8 +13,8 @@ them, with no host sync:
   ``KernelConfig.decode_kernel`` picks the family: the Triton-lowering kernels (every format),
   or the Mosaic GPU ones (``pallas_kernels.moe_decode.mosaic``: Hopper, BF16 / FP8 / NVFP4 /
   MXFP4 weights, the weight tile as the wgmma's register operand); "auto" takes Mosaic GPU on
-  sm_90 for FP8 W8A16, where it measured 1.2-1.4x faster at 8-64 tokens, and for NVFP4 / MXFP4
-  from ``MOSAIC_FP4_MIN_TOKENS`` tokens on (H200, benchmarks/RESULTS.md).
+  sm_90 for FP8 W8A16, where it measured 1.1-1.5x faster at 8-64 tokens, and for NVFP4 / MXFP4
+  (1.0-1.5x at 1-64 tokens; H200, benchmarks/RESULTS.md).
 
 ``extra``: a second expert stack (``(gate_up, down)``, ``[E2, ...]``) whose experts the ids
 ``E .. E + E2 - 1`` name: a model's shared expert folded into the routed step
@@ -136,17 +136,11 @@ def mosaic_unsupported_reason(x: jax.Array, gate_up: QTensor, down: QTensor,
     return None
 
 
-# "auto" takes the Mosaic GPU FP4 kernels from this many tokens on: on the H200 they measured
-# 1.08-1.33x the Triton steps at 8-64 tokens, 0.86-1.26x at 1 (Qwen3 slower); 2-7 not timed.
-MOSAIC_FP4_MIN_TOKENS = 8
-
-
 def _use_mosaic(x, gate_up: QTensor, down: QTensor, kernels: KernelConfig | None,
                 quant: dict) -> bool:
     """KernelConfig.decode_kernel, with "auto" resolved: Mosaic GPU on an sm_90 GPU, where it
-    supports the shapes, for FP8_BLOCK weights without W8A8 and for NVFP4 / MXFP4 from
-    ``MOSAIC_FP4_MIN_TOKENS`` tokens on (BF16 stays on Triton: even at 8-64 tokens, slower at
-    1-2 on the H200)."""
+    supports the shapes, for FP8_BLOCK weights without W8A8 and for NVFP4 / MXFP4 (BF16 stays
+    on Triton: even at 8-64 tokens, slower at 1-2 on the H200)."""
     match (kernels or KernelConfig()).decode_kernel:
         case GmmKernel.TRITON:
             return False
@@ -157,9 +151,7 @@ def _use_mosaic(x, gate_up: QTensor, down: QTensor, kernels: KernelConfig | None
 
             if interpret_mode() or device_compute_capability() != (9, 0):
                 return False
-            fp4 = gate_up.format in (Format.NVFP4, Format.MXFP4)
-            if not (gate_up.format is Format.FP8_BLOCK
-                    or fp4 and x.shape[0] >= MOSAIC_FP4_MIN_TOKENS):
+            if gate_up.format not in (Format.FP8_BLOCK, Format.NVFP4, Format.MXFP4):
                 return False
             return mosaic_unsupported_reason(x, gate_up, down, **quant) is None
 

@@ -115,7 +115,7 @@ class SlotTile:
                              f"{self.fp4_convert!r}")
 
 
-def choose_slot_tile(k: int, num_stages: int = 4, fp4_convert: str = "bits",
+def choose_slot_tile(k: int, num_stages: int = 4, fp4_convert: str = "e4m3",
                      block_n: int = 64) -> SlotTile:
     """Pure heuristic: K steps of 128 where they divide K, else 64."""
     return SlotTile(block_n=block_n, block_k=128 if k % 128 == 0 else 64,
@@ -889,8 +889,8 @@ def moe_decode_mosaic_pairs(
     alpha: float = GPT_OSS_ALPHA,
     block_size: tuple[int, int] = (128, 128),
     tile: tuple[SlotTile, SlotTile] | None = None,  # (gate_up, down); None: choose_slot_tile
-    k_splits: tuple[int, int] | str = (1, 1),  # (gate_up, down) K splits; "auto":
-    #   choose_k_splits (not yet timed)
+    k_splits: tuple[int, int] | str = "auto",  # (gate_up, down) K splits; "auto":
+    #   choose_k_splits
     items_in_plan: bool = False,  # the work items inside the Pallas plan launch (few tokens:
     #   2-3 XLA launches fewer; not yet timed)
     interpret: bool = False,
