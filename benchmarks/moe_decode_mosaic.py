@@ -10,8 +10,6 @@ run. A correctness step first compares both paths with the plain-jnp reference o
 
     python benchmarks/moe_decode_mosaic.py [--shapes ...] [--formats fp8 bf16] [--tokens ...]
                                            [--stages 2 3 4 6] [--k-splits 1,1 auto 2,2]
-                                           [--fp4-convert bits e4m3] [--block-n 64 128]
-                                           [--items-in-plan]
                                            [--profile] [--out FILE]
 """
 
@@ -42,7 +40,6 @@ from benchmarks._common import (  # noqa: E402
 from benchmarks.moe_decode import SHAPES, make_layer, rel_err  # noqa: E402
 from pallas_kernels.moe_decode import moe_decode, moe_decode_pairs_reference  # noqa: E402
 from pallas_kernels.moe_decode.mosaic import (  # noqa: E402
-    FP4_CONVERTS,
     choose_slot_tile,
     moe_decode_mosaic_pairs,
 )
@@ -76,7 +73,7 @@ def _inputs(cfg, tokens: int, n: int = ROTATE):
     return xs
 
 
-def _steps(fmt: str, static: dict, tiles=None, k_splits=(1, 1), items_in_plan=False):
+def _steps(fmt: str, static: dict, tiles=None, k_splits=(1, 1)):
     def triton(arrays, inp):
         x, ids, w = inp
         return moe_decode(x, ids, w, **arrays, **static)
@@ -84,7 +81,7 @@ def _steps(fmt: str, static: dict, tiles=None, k_splits=(1, 1), items_in_plan=Fa
     def mosaic(arrays, inp):
         x, ids, w = inp
         pairs = moe_decode_mosaic_pairs(x, ids, **arrays, **static, tile=tiles,
-                                        k_splits=k_splits, items_in_plan=items_in_plan)
+                                        k_splits=k_splits)
         return jnp.sum(w[..., None] * pairs, axis=1)
 
     return triton, mosaic
@@ -112,8 +109,7 @@ def check(shapes, formats) -> list[dict]:
 
 
 def bench(shapes, formats, token_counts, stages, *, hbm: float, profile: bool = False,
-          k_splits=((1, 1),), converts=("bits",), block_ns=(64,), items_in_plan=(False,)
-          ) -> list[dict]:
+          k_splits=((1, 1),)) -> list[dict]:
     rows = []
     for shape in shapes:
         for fmt in formats:
@@ -125,19 +121,12 @@ def bench(shapes, formats, token_counts, stages, *, hbm: float, profile: bool = 
                 row = dict(shape=shape, format=fmt, tokens=tokens, experts=distinct,
                            MB=nbytes / 1e6)
                 variants = {"triton": _steps(fmt, static)[0]}
-                fp4 = fmt in ("nvfp4", "mxfp4")
-                for s, convert, splits, bn, in_plan in itertools.product(
-                        stages, converts if fp4 else ("bits",), k_splits, block_ns,
-                        items_in_plan):
-                    h, inter = cfg.hidden_size, cfg.intermediate_size  # 128 rows where N allows
-                    tiles = (choose_slot_tile(h, s, convert, bn if 2 * inter % bn == 0 else 64),
-                             choose_slot_tile(inter, s, convert, bn if h % bn == 0 else 64))
-                    name = (f"mosaic_s{s}" + ("" if convert == "bits" else f"_{convert}")
-                            + ("" if bn == 64 else f"_n{bn}") + ("_ip" if in_plan else "")
-                            + ("" if splits == (1, 1) else "_k" + (
-                                splits if isinstance(splits, str) else
-                                "x".join(map(str, splits)))))
-                    variants[name] = _steps(fmt, static, tiles, splits, in_plan)[1]
+                for s, splits in itertools.product(stages, k_splits):
+                    tiles = (choose_slot_tile(cfg.hidden_size, s),
+                             choose_slot_tile(cfg.intermediate_size, s))
+                    name = (f"mosaic_s{s}" + ("" if splits == (1, 1) else "_k" + (
+                        splits if isinstance(splits, str) else "x".join(map(str, splits)))))
+                    variants[name] = _steps(fmt, static, tiles, splits)[1]
                 for name, fn in variants.items():
                     try:
                         t = time_scan(fn, arrays, xs)
@@ -180,12 +169,6 @@ def main() -> None:
     parser.add_argument("--k-splits", nargs="+", type=_splits, default=[(1, 1)],
                         help="K splits of the Mosaic launches, each 'G,D' (gate_up, down) or "
                              "'auto' (choose_k_splits), e.g. --k-splits 1,1 auto 2,2")
-    parser.add_argument("--fp4-convert", nargs="+", default=["bits"], choices=FP4_CONVERTS,
-                        help="SlotTile.fp4_convert variants of the FP4 Mosaic kernels")
-    parser.add_argument("--block-n", nargs="+", type=int, default=[64], choices=[64, 128],
-                        help="SlotTile.block_n variants (weight rows a program)")
-    parser.add_argument("--items-in-plan", action="store_true",
-                        help="also time the work items computed inside the Pallas plan launch")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--profile", action="store_true",
                         help="print each variant's kernels with their GPU time")
@@ -200,9 +183,7 @@ def main() -> None:
     hbm = hbm_copy_bandwidth()
     print(f"HBM copy {hbm / 1e12:.2f} TB/s", flush=True)
     rows = bench(args.shapes, args.formats, args.tokens, args.stages, hbm=hbm,
-                 profile=args.profile, k_splits=args.k_splits, converts=args.fp4_convert,
-                 block_ns=args.block_n,
-                 items_in_plan=(False, True) if args.items_in_plan else (False,))
+                 profile=args.profile, k_splits=args.k_splits)
     cols = list(dict.fromkeys(c for r in rows for c in r))  # first seen first (per format)
     out.append(f"HBM copy {hbm / 1e12:.2f} TB/s\n\n" + table(rows, cols))
     text = "\n\n".join(out)

@@ -20,15 +20,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax import export
-from jax._src import mesh as mesh_lib
 
 import atlas_jax as aj
 from atlas_jax.config import ActQuant, Format
 from pallas_kernels.grouped_matmul.config import WeightFormat
 from pallas_kernels.moe_decode import ExtraExperts, make_plan, moe_decode_pairs_reference
-from pallas_kernels.moe_decode.kernel import PALLAS_PLAN_MAX_PAIRS
 from pallas_kernels.moe_decode.mosaic import (
-    FP4_CONVERTS,
     ROWS,
     SlotTile,
     _natural_order,
@@ -111,40 +108,19 @@ def test_slot_matmul_writes_exactly_its_rows(fmt, k, k_splits):
     check_slot_matmul(fmt, k, compiled=False, k_splits=k_splits)
 
 
-@pytest.mark.parametrize("fmt", FP4, ids=lambda f: f.value)
-@pytest.mark.parametrize("k", [128, 192])
-def test_slot_matmul_fp4_e4m3_convert(fmt, k):
-    """The "e4m3" FP4 conversion (its own column order and factors) as the "bits" one."""
-    check_slot_matmul(fmt, k, compiled=False, convert="e4m3")
-
-
-@pytest.mark.parametrize("fmt,convert", [(FP8, "bits"), (BF16, "bits"), (NVFP4, "bits"),
-                                         (MXFP4, "bits"), (NVFP4, "e4m3"), (MXFP4, "e4m3")],
-                         ids=str)
-def test_slot_matmul_block_n_128(fmt, convert):
-    """128 weight rows a program (two 64-row wgmmas on one activation tile), K split in 3."""
-    check_slot_matmul(fmt, 192, compiled=False, block_n=128, k_splits=3, convert=convert)
-
-
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
 @pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4, MXFP4], ids=lambda f: f.value)
 @pytest.mark.parametrize("k,k_splits", [(128, 1), (192, 1), (384, 1), (320, 1), (384, 3),
                                         (320, 5)])  # K steps: 1 x 128, 3 x 64, 3 x 128, 5 x 64
-@pytest.mark.parametrize("convert", FP4_CONVERTS)
-@pytest.mark.parametrize("block_n", [64, 128])
-def test_compiled_slot_matmul_on_gpu(fmt, k, k_splits, convert, block_n):
+def test_compiled_slot_matmul_on_gpu(fmt, k, k_splits):
     """The same items through the compiled kernels (operands in registers)."""
-    if convert != "bits" and fmt not in FP4:
-        pytest.skip("fp4_convert: FP4 only")
-    check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, convert=convert,
-                      block_n=block_n)
+    check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits)
 
 
-def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, convert: str = "bits",
-                      block_n: int = 64):
+def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1):
     rng = np.random.default_rng(3)
-    n, p = 2 * block_n, 45
-    fp8_block = FP8_BLOCK if block_n == 64 else (128, 128)
+    n, p = 128, 45  # two 64-row column tiles
+    fp8_block = FP8_BLOCK
     w = make_weights(rng, fmt, n, k, e=4, fp8_block=fp8_block, global_rows=2)
     scale, global_scale = w.get("scale"), w.get("global_scale")
     name = format_name(fmt, w["w"].dtype)
@@ -153,7 +129,7 @@ def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, convert: str
                                  [4, 0, 0], [2, 42, 3]]).T, jnp.int32)
     a_dtype = jnp.bfloat16 if fmt is BF16 else jnp.float16
     a = jnp.asarray(rng.standard_normal((window_rows(p), k)), a_dtype)
-    tile = choose_slot_tile(k, fp4_convert=convert, block_n=block_n)
+    tile = choose_slot_tile(k)
     a_kernel = permute_fp4_activations(a, tile) if fmt in FP4 else a
     fp8_block = fp8_block if fmt is FP8 else None
     out = slot_matmul(work, a_kernel, w["w"], scale, None, global_scale, fmt=name,
@@ -192,11 +168,7 @@ def test_work_items_cut_each_slot_into_chunks(pattern, t, k):
     other row; items past the last have 0 rows; the static bound W = U + cdiv(P, 16) holds."""
     ids = routing(pattern, t, k)
     plan = make_plan(ids, E)
-    items = np.asarray(work_items(plan))  # XLA (pairwise_items)
-    if t * k <= PALLAS_PLAN_MAX_PAIRS:  # the same items from the Pallas plan launch
-        in_plan = make_plan(ids, E, pallas=True, interpret=True, item_rows=ROWS)
-        np.testing.assert_array_equal(np.asarray(work_items(in_plan)), items)
-        np.testing.assert_array_equal(np.asarray(in_plan.work), np.asarray(plan.work))
+    items = np.asarray(work_items(plan))
     expert, first, rows = np.asarray(plan.work)
     p = t * k
     chex.assert_shape(items, (3, min(E, p) + -(-p // ROWS)))
@@ -216,41 +188,16 @@ def test_work_items_cut_each_slot_into_chunks(pattern, t, k):
     assert (np.diff(istart[live]) > 0).all(), "items in sorted-row order"
 
 
-@pytest.mark.parametrize("t,k,e", [(1, 8, 128), (8, 8, 128), (16, 8, 128), (2, 9, 257)])
-def test_plan_with_items_lowers_for_the_gpu(t, k, e):
-    """The Pallas plan launch with the work items in it lowers through Pallas' Triton path
-    (for an abstract H200), and on a GPU gives the items XLA cuts from the XLA plan."""
-    def f(ids):
-        plan = make_plan(ids, e, pallas=True, item_rows=ROWS)
-        return plan.items, plan.work
-
-    if ON_GPU:
-        ids = jnp.asarray(np.random.default_rng(t).integers(0, e + 1, (t, k)), jnp.int32)
-        items, work = jax.jit(f)(ids)
-        want = make_plan(ids, e)  # the XLA plan, its items cut in XLA
-        np.testing.assert_array_equal(np.asarray(items), np.asarray(work_items(want)))
-        np.testing.assert_array_equal(np.asarray(work), np.asarray(want.work))
-        return
-    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
-    with jax.sharding.use_abstract_mesh(mesh):
-        lowered = jax.jit(f).trace(jax.ShapeDtypeStruct((t, k), jnp.int32)).lower(
-            lowering_platforms=("cuda",))
-    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1  # one launch
-
-
-@pytest.mark.parametrize("convert", FP4_CONVERTS)
 @pytest.mark.parametrize("block_k", [64, 128])
-def test_fp4_activation_order(block_k, convert):
+def test_fp4_activation_order(block_k):
     """A permutation of each K step; thread c of a quad reads K columns [c bk/4, (c+1) bk/4)
     (its bytes of the code row): operand h, column 8j + 2c + q is, of its word h // 2, nibble
-    2 (h % 2) + j + 4q ("bits": registers (n0, n4), (n1, n5), ...) or 4j + 2q + h % 2
-    ("e4m3": (n0, n2), (n4, n6), (n1, n3), (n5, n7)); each operand's 16 columns take 4 from
-    each thread's range."""
-    order = fp4_operand_order(block_k, convert)
+    4j + 2q + h % 2 (registers (n0, n2), (n4, n6), (n1, n3), (n5, n7)); each operand's 16
+    columns take 4 from each thread's range."""
+    order = fp4_operand_order(block_k)
     np.testing.assert_array_equal(np.sort(order), np.arange(block_k))
     quarter = block_k // 4  # operand 0, j = 0, lanes q = 0, 1 of each thread's first word
-    lane1, j1, op1 = (4, 1, 2) if convert == "bits" else (2, 4, 1)
+    lane1, j1, op1 = 2, 4, 1  # the nibble of lane q = 1, of column block j = 1, of operand 1
     np.testing.assert_array_equal(order[:8], np.repeat(np.arange(4) * quarter, 2)
                                   + np.tile([0, lane1], 4))
     np.testing.assert_array_equal(order[8:10], [j1, j1 + lane1])  # column block j = 1
@@ -258,7 +205,7 @@ def test_fp4_activation_order(block_k, convert):
     for h in range(block_k // 16):
         thread = order[16 * h:16 * h + 16] // (block_k // 4)
         np.testing.assert_array_equal(thread, np.tile(np.repeat(np.arange(4), 2), 2))
-    tile = SlotTile(block_k=block_k, fp4_convert=convert)
+    tile = SlotTile(block_k=block_k)
     a = jnp.arange(2 * 2 * block_k, dtype=jnp.float32).reshape(2, 2 * block_k)
     permuted = permute_fp4_activations(a, tile)
     np.testing.assert_array_equal(np.asarray(permuted)[0, block_k:],
@@ -287,7 +234,7 @@ def test_slot_matmul_bad_inputs_raise():
     with pytest.raises(NotImplementedError, match="row segments"):
         slot_matmul(work, a, codes, jnp.zeros((2, 128, 8), jnp.float8_e4m3fn), None,
                     jnp.ones((2, 4)), fmt="nvfp4")
-    with pytest.raises(NotImplementedError, match="multiple of block_n"):
+    with pytest.raises(NotImplementedError, match="N=96 must be a multiple of 64"):
         slot_matmul(work, a, w[:, :96], s, fp8_block=FP8_BLOCK)
     with pytest.raises(NotImplementedError, match="FP8 block"):
         slot_matmul(work, a, w, jnp.ones((2, 4, 1)), fp8_block=(32, 128))
@@ -301,7 +248,7 @@ def test_slot_matmul_bad_inputs_raise():
 
 CASES = [  # (T, k, format, variant, patterns); k_splits: gate_up's 3 K steps in 3 programs
     (1, 4, FP8, dict(), ("random",)),
-    (1, 4, FP8, dict(k_splits=(3, 1), items_in_plan=True), ("random",)),
+    (1, 4, FP8, dict(k_splits=(3, 1)), ("random",)),
     (3, 3, FP8, dict(activation="silu", limit=0.3, bias=True), ("random", "zero_experts")),
     (8, 2, FP8, dict(activation="gpt_oss", gate_up_layout="interleaved", limit=0.5,
                      bias=True), ("repeated", "dup_in_token")),
@@ -324,7 +271,7 @@ CASES = [  # (T, k, format, variant, patterns); k_splits: gate_up's 3 K steps in
 def test_pairs_against_reference(t, k, fmt, variant, patterns):
     variant = dict(variant)
     kw = arrays(fmt, bias=variant.pop("bias", False))
-    opts = {key: variant.pop(key) for key in ("k_splits", "items_in_plan") if key in variant}
+    opts = {key: variant.pop(key) for key in ("k_splits",) if key in variant}
     x = x_rows(t)
     for i, pattern in enumerate(patterns):
         ids = routing(pattern, t, k, seed=i)
@@ -461,23 +408,18 @@ class TestLowersForHopper:
     """The Mosaic GPU lowering (layout inference included) of the register-operand build, for
     the model shapes it serves, without a GPU (``jax.export`` for the CUDA platform)."""
 
-    @pytest.mark.parametrize("fmt,n,k,k_splits,convert,block_n", [
-        (FP8, 1536, 2048, 1, "bits", 64),  # Qwen3-30B-A3B gate_up
-        (FP8, 2880, 2880, 1, "bits", 64),  # gpt-oss-120b down: 64-wide K steps
-        (FP8, 1536, 2048, 2, "bits", 64),  # K over two programs
-        (FP8, 1536, 2048, 1, "bits", 128),  # 128 weight rows a program
-        (BF16, 2048, 768, 1, "bits", 64),  # Qwen3-30B-A3B down
-        (BF16, 2048, 768, 1, "bits", 128),
-        (NVFP4, 1536, 2048, 1, "bits", 64),
-        (NVFP4, 2048, 768, 2, "bits", 64),
-        (NVFP4, 1536, 2048, 1, "e4m3", 64),
-        (NVFP4, 1536, 2048, 2, "e4m3", 128),
-        (MXFP4, 5760, 2880, 1, "bits", 64),  # gpt-oss-120b gate_up
-        (MXFP4, 2880, 2880, 3, "bits", 64),
-        (MXFP4, 5760, 2880, 1, "e4m3", 64),
-        (MXFP4, 5760, 2880, 1, "bits", 128),
+    @pytest.mark.parametrize("fmt,n,k,k_splits", [
+        (FP8, 1536, 2048, 1),  # Qwen3-30B-A3B gate_up
+        (FP8, 2880, 2880, 1),  # gpt-oss-120b down: 64-wide K steps
+        (FP8, 1536, 2048, 2),  # K over two programs
+        (BF16, 2048, 768, 1),  # Qwen3-30B-A3B down
+        (NVFP4, 1536, 2048, 1),
+        (NVFP4, 1536, 2048, 2),
+        (NVFP4, 2048, 768, 2),
+        (MXFP4, 5760, 2880, 1),  # gpt-oss-120b gate_up
+        (MXFP4, 2880, 2880, 3),
     ], ids=lambda v: getattr(v, "value", v))
-    def test_lowers(self, fmt, n, k, k_splits, convert, block_n):
+    def test_lowers(self, fmt, n, k, k_splits):
         """Main stack and a folded one-expert extra stack, as the decode step launches them."""
         p, e = 64, 8
         name = format_name(fmt, None)
@@ -510,9 +452,7 @@ class TestLowersForHopper:
             w, scale, glob = (*main_, *pad)
             return slot_matmul(work, a, w, scale, (*extra_, *pad), glob, fmt=name,
                                fp8_block=(128, 128) if fmt is FP8 else None,
-                               tile=choose_slot_tile(k, fp4_convert=convert,
-                                                     block_n=block_n),
-                               k_splits=k_splits)
+                               tile=choose_slot_tile(k), k_splits=k_splits)
 
         text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
         assert "mosaic_gpu" in text
@@ -520,15 +460,13 @@ class TestLowersForHopper:
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
 @pytest.mark.parametrize("t", [1, 8, 33])
-@pytest.mark.parametrize("fmt,convert,k_splits,block_n", [
-    (FP8, "bits", (1, 1), 64), (BF16, "bits", (1, 1), 64), (NVFP4, "bits", (1, 1), 64),
-    (MXFP4, "bits", (1, 1), 64), (NVFP4, "e4m3", (1, 1), 64), (MXFP4, "e4m3", (1, 1), 64),
-    (FP8, "bits", (2, 2), 64), (NVFP4, "e4m3", (4, 2), 64), (FP8, "bits", (1, 1), 128),
-    (MXFP4, "e4m3", (2, 1), 128)], ids=str)
-def test_compiled_on_gpu_against_reference(fmt, convert, k_splits, block_n, t):
+@pytest.mark.parametrize("fmt,k_splits", [
+    (FP8, (1, 1)), (BF16, (1, 1)), (NVFP4, (1, 1)), (MXFP4, (1, 1)), (FP8, (2, 2)),
+    (NVFP4, (4, 2)), (MXFP4, (2, 1))], ids=str)
+def test_compiled_on_gpu_against_reference(fmt, k_splits, t):
     """The compiled kernels (weights in registers) against the reference, rows 1e-3 .. 1e3,
     gpt-oss's interleaved, clamped activation with biases, a zero expert, 128 x 128 blocks;
-    both FP4 conversions, K split over programs, 64 and 128 weight rows a program."""
+    K split over programs."""
     e, h, inter, k = 16, 1024, 512, 4
     rng = np.random.default_rng(t)
     kw = arrays(fmt, e=e, h=h, inter=inter, bias=True, seed=1, fp8_block=(128, 128))
@@ -538,9 +476,7 @@ def test_compiled_on_gpu_against_reference(fmt, convert, k_splits, block_n, t):
     x = rng.standard_normal((t, h)) * np.logspace(-3, 3, t)[:, None]
     x = jnp.asarray(x.astype(ml_dtypes.bfloat16))
     variant = dict(activation="gpt_oss", gate_up_layout="interleaved")
-    tile = (choose_slot_tile(h, fp4_convert=convert, block_n=block_n),
-            choose_slot_tile(inter, fp4_convert=convert, block_n=block_n))
-    out = moe_decode_mosaic_pairs(x, ids, **kw, **variant, tile=tile, k_splits=k_splits)
+    out = moe_decode_mosaic_pairs(x, ids, **kw, **variant, k_splits=k_splits)
     ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
     assert_pairs_close(out, ref, ids, e, tol=5e-3)
 

@@ -13,9 +13,7 @@ experts have 0 rows (their programs exit at once). ``token_of_row [P]`` maps a s
 token, ``row_of_pair [T, k]`` a pair to its sorted row. The decode entries build it from
 pairwise comparisons of the pair ids (no sort): for up to ``PALLAS_PLAN_MAX_PAIRS`` pairs in
 one Pallas program (one launch; XLA's form of the same algebra takes six or seven small
-fusions), up to ``DENSE_PLAN_MAX_PAIRS`` in XLA, and beyond that by a sort. The Pallas program
-can also cut the slots into the Mosaic GPU kernels' work items (``item_rows``,
-``pairwise_items``).
+fusions), up to ``DENSE_PLAN_MAX_PAIRS`` in XLA, and beyond that by a sort.
 
 Kernel 1 (gate_up), grid ``(U, cdiv(I, block_n))``: the program of slot u gathers its rows of
 ``x`` through ``token_of_row`` (``block_m`` = 16 at a time: one chunk for up to 16 pairs, the
@@ -131,9 +129,6 @@ class DecodePlan(NamedTuple):
     token_of_row: jax.Array  # [P] int32 token of each sorted row
     row_of_pair: jax.Array  # [T, k] int32 sorted row of each (token, slot) pair
     routed: jax.Array  # [T, k] bool: the pair goes to a real expert (False: zero expert)
-    # [3, W] int32 work items (make_plan's item_rows): each slot cut into chunks of at most
-    # item_rows rows (expert, first sorted row, row count; items past the last: 0 rows)
-    items: jax.Array | None = None
 
 
 # Up to this many pairs the plan is built from pairwise comparisons (three small reductions, no
@@ -145,48 +140,18 @@ PALLAS_PLAN_MAX_PAIRS = 128
 
 
 def make_plan(expert_ids: jax.Array, num_experts: int, *, pallas: bool = False,
-              interpret: bool = False, item_rows: int | None = None) -> DecodePlan:
+              interpret: bool = False) -> DecodePlan:
     """Work list of ``expert_ids [T, k]``; ``U = min(E, P)`` slots (a static bound on the
     distinct experts). ``P = T*k <= DENSE_PLAN_MAX_PAIRS``: ``_dense_plan``, else
     ``_sorted_plan``; both give the same plan (slots in increasing expert id, idle slots last,
     rows in the stable sort order). ``pallas`` and ``P <= PALLAS_PLAN_MAX_PAIRS``: the dense
-    plan as one Pallas launch (``interpret``: in interpret mode), the same plan. ``item_rows``:
-    that launch also cuts the slots into work items (``pairwise_items``, the plan's ``items``);
-    the XLA plans leave ``items`` None (``mosaic.work_items`` then cuts them in XLA)."""
+    plan as one Pallas launch (``interpret``: in interpret mode), the same plan."""
     t, k = expert_ids.shape
     if pallas and t * k <= PALLAS_PLAN_MAX_PAIRS:
-        return _pallas_plan(expert_ids, num_experts, interpret=interpret, item_rows=item_rows)
+        return _pallas_plan(expert_ids, num_experts, interpret=interpret)
     if t * k <= DENSE_PLAN_MAX_PAIRS:
         return _dense_plan(expert_ids, num_experts)
     return _sorted_plan(expert_ids, num_experts)
-
-
-def num_items(slots: int, pairs: int, item_rows: int) -> int:
-    """A static bound on the work items: ``sum(cdiv(rows_u, item_rows)) <= U + P / item_rows``."""
-    return slots + pl.cdiv(pairs, item_rows)
-
-
-def pairwise_items(expert, first, rows, *, slots: int, num_items: int, item_rows: int):
-    """Work items from the plan's slots (``[n]`` arrays, the first ``slots`` real, the rest idle
-    padding with 0 rows), in ops Pallas' Triton lowering takes (comparisons and sums, no scan
-    or gather): slot u's rows cut into ``cdiv(rows_u, item_rows)`` chunks, in order, as
-    ``mosaic.work_items`` cuts them in XLA. Returns (expert, first row, row count)
-    ``[num_items]`` (the plan program passes a power of two above the bound); items past the
-    last have 0 rows and the last real slot's expert."""
-    n = expert.shape[0]
-    u = jnp.arange(n, dtype=jnp.int32)
-    chunks = jax.lax.div(rows + (item_rows - 1), jnp.int32(item_rows))  # [n]
-    ends = jnp.sum(jnp.where(u[None, :] <= u[:, None], chunks[None, :], 0), axis=1)  # cumsum
-    w = jnp.arange(num_items, dtype=jnp.int32)
-    slot = _count(ends[None, :] <= w[:, None], axis=1)  # the item's slot (>= slots: none)
-    hit = jnp.minimum(slot, slots - 1)[:, None] == u[None, :]  # [num_items, n]
-
-    def pick(v):
-        return jnp.sum(jnp.where(hit, v[None, :], 0), axis=1)
-
-    c = w - pick(ends - chunks)  # the chunk within its slot
-    count = jnp.where(slot < slots, jnp.clip(pick(rows) - c * item_rows, 0, item_rows), 0)
-    return pick(expert), pick(first) + c * item_rows, count
 
 
 def _plan_keys(ids, num_experts):
@@ -248,10 +213,9 @@ def _dense_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
     )
 
 
-def _plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *items_ref, p: int, k: int,
-                 num_experts: int, slots: int, item_rows: int | None):
-    """One program: ``_pairwise_plan`` on the ``p`` pair ids, padded to a power of two (and
-    ``pairwise_items`` on its slots)."""
+def _plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *, p: int, k: int,
+                 num_experts: int, slots: int):
+    """One program: ``_pairwise_plan`` on the ``p`` pair ids, padded to a power of two."""
     n = max(16, pl.next_power_of_2(p))
     idx = jnp.arange(n, dtype=jnp.int32)
     valid = idx < p
@@ -266,17 +230,9 @@ def _plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *items_re
     u = jnp.arange(padded_slots, dtype=jnp.int32)
     for i, v in enumerate(work):
         plgpu.store(work_ref.at[jnp.int32(i), u], v, mask=u < slots)
-    if item_rows is not None:
-        (items_ref,) = items_ref
-        m = items_ref.shape[1]
-        w = jnp.arange(max(16, pl.next_power_of_2(m)), dtype=jnp.int32)
-        for i, v in enumerate(pairwise_items(*work, slots=slots, num_items=w.shape[0],
-                                             item_rows=item_rows)):
-            plgpu.store(items_ref.at[jnp.int32(i), w], v, mask=w < m)
 
 
-def _pallas_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool,
-                 item_rows: int | None = None) -> DecodePlan:
+def _pallas_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool) -> DecodePlan:
     """``_dense_plan``'s plan from one Pallas launch (P <= PALLAS_PLAN_MAX_PAIRS)."""
     t, k = expert_ids.shape
     p = t * k
@@ -285,19 +241,15 @@ def _pallas_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool,
     out_shape = [jax.ShapeDtypeStruct((3, slots), jnp.int32),
                  jax.ShapeDtypeStruct((p,), jnp.int32),
                  jax.ShapeDtypeStruct((p,), jnp.int32)]
-    if item_rows is not None:
-        out_shape.append(jax.ShapeDtypeStruct((3, num_items(slots, p, item_rows)), jnp.int32))
-    work, token_of_row, row_of_pair, *items = pl.pallas_call(
-        functools.partial(_plan_kernel, p=p, k=k, num_experts=num_experts, slots=slots,
-                          item_rows=item_rows),
+    work, token_of_row, row_of_pair = pl.pallas_call(
+        functools.partial(_plan_kernel, p=p, k=k, num_experts=num_experts, slots=slots),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="moe_decode_plan",
     )(flat)
     return DecodePlan(work=work, token_of_row=token_of_row, row_of_pair=row_of_pair.reshape(t, k),
-                      routed=_plan_keys(flat, num_experts)[1].reshape(t, k),
-                      items=items[0] if items else None)
+                      routed=_plan_keys(flat, num_experts)[1].reshape(t, k))
 
 
 def _sorted_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:

@@ -21,9 +21,9 @@ and its item's rows sit at offset ``start_w % 8`` in it.
 Kernel (``slot_matmul``): ``out[r, n] = sum_k w[e_w, n, k] * scale(e_w, n, k) * a[r, k]`` for
 every sorted row ``r`` of every item, in sorted-row order like the Triton kernels' output
 (``out`` has ``a``'s R rows, so the glue between the launches needs no padding copies); other
-rows of ``out`` are not written. Grid ``(W, N / bn[, k_splits])``, one warpgroup a program:
-``bn`` = 64 (or 128: two 64-row wgmmas) weight rows are the wgmma's M, the 24-row window its N.
-The transposed accumulator ``[bn, 24]`` is stored transposed into SMEM (``WGMMA_TRANSPOSED``
+rows of ``out`` are not written. Grid ``(W, N / 64[, k_splits])``, one warpgroup a program:
+``BLOCK_N`` = 64 weight rows are the wgmma's M, the 24-row window its N.
+The transposed accumulator ``[64, 24]`` is stored transposed into SMEM (``WGMMA_TRANSPOSED``
 layout) and the item's rows leave by TMA, one store per set bit of its row count (a TMA box
 has a static shape; no other row is touched). With ``k_splits`` > 1 each program dots a
 contiguous share of the K steps into its own copy of the output rows, summed by XLA.
@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +65,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, vector
 
-from pallas_kernels._dequant import e2m1_to_f16_scaled, e8m0_step_to_f16, e8m0_to_f32
+from pallas_kernels._dequant import e8m0_step_to_f16, e8m0_to_f32
 from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout, WeightFormat
 from pallas_kernels.grouped_matmul.reference import (
     GPT_OSS_ALPHA,
@@ -79,58 +78,44 @@ from pallas_kernels.moe_decode.kernel import (
     ExtraExperts,
     _epilogue,
     make_plan,
-    num_items,
     pairs_of,
 )
 from pallas_kernels.paged_attention.decode import _pow2_row_scales
 
 ROWS = 16  # rows of one work item
 WINDOW = ROWS + 8  # activation rows a program reads (the wgmma's N): from an 8-aligned row
+BLOCK_N = 64  # weight rows a program (the wgmma's M)
 
 
 @dataclasses.dataclass(frozen=True)
 class SlotTile:
-    """Tile of one program (one warpgroup): ``block_n`` weight rows (the wgmma's M: 64, or 128
-    as two 64-row wgmmas that share the activation tile; 128 is not yet timed), ``block_k`` of
-    K per pipeline step, ``num_stages`` TMA stages in flight; ``fp4_convert``: how FP4
-    codes become f16 (``FP4_CONVERTS``: "bits", f16 bit placement, timed on the H200;
-    "e4m3", e4m3 byte placement and ``cvt.rn.f16x2.e4m3x2``, fewer instructions, not yet
-    compiled or timed on a GPU)."""
+    """Tile of one program (one warpgroup, ``BLOCK_N`` weight rows): ``block_k`` of K per
+    pipeline step, ``num_stages`` TMA stages in flight."""
 
-    block_n: int = 64
     block_k: int = 128
     num_stages: int = 4
-    fp4_convert: str = "bits"
 
     def __post_init__(self):
-        if self.block_n not in (64, 128):
-            raise ValueError(f"SlotTile.block_n: expected 64 or 128, got {self.block_n!r}")
         if self.block_k not in (64, 128):
             raise ValueError(f"SlotTile.block_k: expected 64 or 128, got {self.block_k!r}")
         if not isinstance(self.num_stages, int) or not 2 <= self.num_stages <= 8:
             raise ValueError(
                 f"SlotTile.num_stages: expected an int in [2, 8], got {self.num_stages!r}")
-        if self.fp4_convert not in FP4_CONVERTS:
-            raise ValueError(f"SlotTile.fp4_convert: expected one of {FP4_CONVERTS}, got "
-                             f"{self.fp4_convert!r}")
 
 
-def choose_slot_tile(k: int, num_stages: int = 4, fp4_convert: str = "e4m3",
-                     block_n: int = 64) -> SlotTile:
+def choose_slot_tile(k: int, num_stages: int = 4) -> SlotTile:
     """Pure heuristic: K steps of 128 where they divide K, else 64."""
-    return SlotTile(block_n=block_n, block_k=128 if k % 128 == 0 else 64,
-                    num_stages=num_stages, fp4_convert=fp4_convert)
+    return SlotTile(block_k=128 if k % 128 == 0 else 64, num_stages=num_stages)
 
 
 def choose_k_splits(items: int, n: int, k: int, tile: SlotTile, *, sms: int = 132,
                     per_sm: int = 4) -> int:
     """Pure heuristic: the largest split of K (a divisor of its steps, at least 2 steps a
-    program) whose ``items * n / block_n * split`` programs stay within 1.25 x ``per_sm`` programs
-    an SM (``items``: the work items expected, e.g. ``min(experts, tokens * top_k)``). Not
-    yet timed on a GPU: ``moe_decode_mosaic_pairs`` takes it only where asked
-    (``k_splits="auto"``)."""
+    program) whose ``items * n / BLOCK_N * split`` programs stay within 1.25 x ``per_sm`` programs
+    an SM (``items``: the work items expected, e.g. ``min(experts, tokens * top_k)``);
+    ``moe_decode_mosaic_pairs``' default (``k_splits="auto"``)."""
     steps = k // tile.block_k
-    programs = max(items, 1) * (n // tile.block_n)
+    programs = max(items, 1) * (n // BLOCK_N)
     best = 1
     for d in range(2, steps // 2 + 1):
         if steps % d == 0 and programs * d <= 1.25 * per_sm * sms:
@@ -161,7 +146,7 @@ def _kernel(
     *rest,  # per stack (main, [extra]): w [E, N, K] e4m3 | bf16, or [E, N, K/2] u8
     #   (FP4); FP8: scale [E, cdiv(N, b0), cdiv(K, b1)] f32; NVFP4: scale [E, N, K/16] e4m3,
     #   global [E, R] f32; MXFP4: scale [E, N, K/32] u8. Then out [R, N] f32, o_smem
-    #   [WINDOW, bn] f32, [w_stage (interpret mode): [bn, bk] 16-bit]
+    #   [WINDOW, BLOCK_N] f32, [w_stage (interpret mode): [BLOCK_N, bk] 16-bit]
     tile: SlotTile,
     fmt: str,  # "bf16" | "fp8" | "nvfp4" | "mxfp4"
     fp8_block: tuple[int, int] | None,
@@ -175,7 +160,7 @@ def _kernel(
     stacks = [rest[i * per_stack:(i + 1) * per_stack] for i in range(num_stacks)]
     o_gmem, o_smem, *w_stage = rest[num_stacks * per_stack:]
     w_dtype = stacks[0][0].dtype
-    bn, bk = tile.block_n, tile.block_k
+    bn, bk = BLOCK_N, tile.block_k
     u, nt = lax.axis_index("w"), lax.axis_index("n")
     num_steps = k // tile.block_k // k_splits  # K steps of this program
     split = lax.axis_index("s") if k_splits > 1 else None
@@ -257,7 +242,7 @@ def _kernel(
         kb."""
         if stage_w:
             scales_of = functools.partial(_fp4_scales_jnp, scale_ref, e, n0, fmt=fmt, tile=tile)
-            operands_of = functools.partial(_fp4_operands_jnp, tile=tile)
+            operands_of = _fp4_operands_jnp
         else:
             scales_of = functools.partial(_fp4_scales_inline, scale_ref, e * scale_ref.shape[1]
                                           + n0, fmt=fmt, tile=tile)
@@ -303,9 +288,8 @@ def _kernel(
             return acc_ref[...]
 
         acc = pl.run_scoped(run, plgpu.ACC((bn, WINDOW), jnp.float32))
-        # the operands held e2m1 * s * 2^(NV_SHIFT - PLACEMENT)
-        shift = _PLACEMENT[tile.fp4_convert] - _NV_SHIFT[tile.fp4_convert]
-        return acc * (global_ref[e, lax.div(n0, global_rows)] * 2.0**shift)
+        # the operands held e2m1 * s * 2^-PLACEMENT
+        return acc * (global_ref[e, lax.div(n0, global_rows)] * 2.0**_PLACEMENT)
 
     def plain_steps(w_tile, a_tile):
         """16-bit weights: one accumulator, wgmma kept in flight across steps."""
@@ -382,22 +366,18 @@ def _kernel(
 # r and r + 8 (r = 16 * warp + lane // 4) and columns 2c, 2c + 1, 8 + 2c, 9 + 2c (c = lane % 4)
 # of each operand. Here thread c of a quad reads bytes [c * bk / 8, (c + 1) * bk / 8) of its
 # rows' codes (one 16- or 8-byte SMEM load a row), 32-bit words of 8 nibbles n0..n7, each word
-# four f16x2 registers:
-# - "bits": nibbles p and p + 4 make one register, by f16 bit placement (two shifts, two
-#   masks: ``e2m1 * 2^-14``): (n0, n4), (n1, n5), (n2, n6), (n3, n7).
-# - "e4m3": the low nibbles become four e4m3 bytes by bit placement (sign to bit 7, magnitude
-#   to bits 4-2: ``e2m1 * 2^-6``, four a 32-bit op), the high ones likewise, and
-#   ``cvt.rn.f16x2.e4m3x2`` turns each half into a register: (n0, n2), (n4, n6), (n1, n3),
-#   (n5, n7).
+# four f16x2 registers: the low nibbles become four e4m3 bytes by bit placement (sign to bit 7,
+# magnitude to bits 4-2: ``e2m1 * 2^-PLACEMENT``, four a 32-bit op), the high ones likewise,
+# and ``cvt.rn.f16x2.e4m3x2`` turns each half into a register: (n0, n2), (n4, n6), (n1, n3),
+# (n5, n7).
 # Which K column lands in which operand column follows from that (``fp4_operand_order``); the
 # activations are permuted to match (``permute_fp4_activations``), so no shuffle is needed.
 # Every 32-bit word of a thread lies in one scale group, so a thread multiplies each register
-# by one of at most two per-row factors: NVFP4 the e4m3 scale ``s`` times ``2^NV_SHIFT`` (the
-# product, ``e2m1 * s * 2^(NV_SHIFT - PLACEMENT)``, is exact in f16: a multiple of 2^-16 with
-# at most 6 significant bits), MXFP4 ``2^(s - s_max)`` against the largest scale of the row's
-# K step (``e8m0_step_to_f16``; exact for ``s - s_max >= PLACEMENT - 23``, where the product's
-# lowest bit stays >= 2^-24; the step's partial is multiplied by ``2^(s_max - 127 +
-# PLACEMENT)``).
+# by one of at most two per-row factors: NVFP4 the e4m3 scale ``s`` (the product, ``e2m1 * s *
+# 2^-PLACEMENT``, is exact in f16: a multiple of 2^-16 with at most 6 significant bits), MXFP4
+# ``2^(s - s_max)`` against the largest scale of the row's K step (``e8m0_step_to_f16``; exact
+# for ``s - s_max >= PLACEMENT - 23``, where the product's lowest bit stays >= 2^-24; the
+# step's partial is multiplied by ``2^(s_max - 127 + PLACEMENT)``).
 
 def _code_transforms(block_k: int):
     """Code tiles ``[bn, bk / 2]`` u8 in SMEM: one swizzled tile a row (64 or 32 bytes), so a
@@ -405,42 +385,39 @@ def _code_transforms(block_k: int):
     return _transforms(block_k // 2, 1)
 
 
-FP4_CONVERTS = ("bits", "e4m3")
-_PLACEMENT = {"bits": 14, "e4m3": 6}  # the converted codes are e2m1 * 2^-PLACEMENT
-_NV_SHIFT = {"bits": 7, "e4m3": 0}  # NVFP4 factors s * 2^NV_SHIFT
+_PLACEMENT = 6  # the converted codes are e2m1 * 2^-PLACEMENT (e4m3 bytes)
 
 
-def _to_operand_order(x, convert: str):
+def _to_operand_order(x):
     """``x [..., bk]`` in K order (one step) -> the FP4 operands' column order: thread c's word
-    w, register 2hh + j, lane q (K column ``c bk/4 + 8w + nibble``, nibble ``2hh + j + 4q``
-    for "bits", ``4j + 2q + hh`` for "e4m3"; see above) goes to position ``16 (2w + hh) + 8j
-    + 2c + q`` (operand 2w + hh, column 8j + 2c + q)."""
+    w, register 2hh + j, lane q (K column ``c bk/4 + 8w + nibble``, nibble ``4j + 2q + hh``;
+    see above) goes to position ``16 (2w + hh) + 8j + 2c + q`` (operand 2w + hh, column 8j +
+    2c + q)."""
     *lead, bk = x.shape
-    x = x.reshape(*lead, 4, bk // 32, 2, 2, 2)  # (c, w, then the nibble's three bits)
+    x = x.reshape(*lead, 4, bk // 32, 2, 2, 2)  # (c, w, then the nibble's bits j, q, hh)
     n = len(lead)
-    c, w, b2, b1, b0 = range(n, n + 5)  # nibble = 4 b2 + 2 b1 + b0
-    q, hh, j = (b2, b1, b0) if convert == "bits" else (b1, b0, b2)
+    c, w, j, q, hh = range(n, n + 5)
     return x.transpose(*range(n), w, hh, j, c, q).reshape(*lead, bk)
 
 
-def fp4_operand_order(block_k: int, convert: str = "bits") -> np.ndarray:
+def fp4_operand_order(block_k: int) -> np.ndarray:
     """``[block_k]``: the K column (within a step) of each activation column the FP4 kernels
     read, operand after operand (operand h: columns 16h .. 16h + 15)."""
-    return _to_operand_order(np.arange(block_k, dtype=np.int32), convert)
+    return _to_operand_order(np.arange(block_k, dtype=np.int32))
 
 
 def permute_fp4_activations(a: jax.Array, tile: SlotTile) -> jax.Array:
     """``a [R, K]`` -> the FP4 kernels' column order for ``tile``'s K steps."""
     r, k = a.shape
     bk = tile.block_k
-    return _to_operand_order(a.reshape(r, k // bk, bk), tile.fp4_convert).reshape(r, k)
+    return _to_operand_order(a.reshape(r, k // bk, bk)).reshape(r, k)
 
 
 def _natural_order(a: jax.Array, tile: SlotTile) -> jax.Array:
     """The inverse of ``permute_fp4_activations`` (tests)."""
     r, k = a.shape
     bk = tile.block_k
-    inverse = np.argsort(fp4_operand_order(bk, tile.fp4_convert))
+    inverse = np.argsort(fp4_operand_order(bk))
     return a.reshape(r, k // bk, bk)[:, :, inverse].reshape(r, k)
 
 
@@ -451,20 +428,19 @@ def _group_size(fmt: str) -> int:
 def _fp4_scales_jnp(scale_ref, e, n0, kb, *, fmt: str, tile: SlotTile):
     """Interpret mode's ``_fp4_scales_inline``: the factors of step ``kb`` as a ``[bn, bk]``
     f16 array in operand order (and MXFP4's ``[bn]`` f32 partial scale)."""
-    bn, bk = tile.block_n, tile.block_k
+    bn, bk = BLOCK_N, tile.block_k
     size = _group_size(fmt)
     s = scale_ref[e, pl.ds(n0, bn), pl.ds(kb * (bk // size), bk // size)]  # [bn, groups]
 
     def per_column(f):  # [bn, groups] -> [bn, bk] in operand order
-        return _to_operand_order(jnp.repeat(f, size, axis=1), tile.fp4_convert)
+        return _to_operand_order(jnp.repeat(f, size, axis=1))
 
     if fmt == "nvfp4":
-        shift = 2.0**_NV_SHIFT[tile.fp4_convert]
-        return (per_column((s.astype(jnp.float32) * shift).astype(jnp.float16)),)
+        return (per_column(s.astype(jnp.float16)),)
     s = s.astype(jnp.int32)
     top = jnp.max(s, axis=1)
     return (per_column(e8m0_step_to_f16(s - top[:, None])),
-            e8m0_to_f32(jnp.minimum(top + _PLACEMENT[tile.fp4_convert], 255)))
+            e8m0_to_f32(jnp.minimum(top + _PLACEMENT, 255)))
 
 
 def _e2m1_as_e4m3(codes):
@@ -474,16 +450,12 @@ def _e2m1_as_e4m3(codes):
     return lax.bitcast_convert_type(bits.astype(jnp.uint8), jnp.float8_e4m3fn)
 
 
-def _fp4_operands_jnp(w_smem, factors, *, tile: SlotTile):
+def _fp4_operands_jnp(w_smem, factors):
     """Interpret mode's ``_fp4_operands_inline``: the same operands by jnp."""
     codes = w_smem[...].astype(jnp.int32)  # [bn, bk / 2]
     bn, bk = codes.shape[0], 2 * codes.shape[1]
     nibbles = jnp.stack([codes & 15, codes >> 4], axis=-1).reshape(bn, bk)  # K order
-    if tile.fp4_convert == "bits":
-        f = e2m1_to_f16_scaled(nibbles)
-    else:
-        f = _e2m1_as_e4m3(nibbles).astype(jnp.float16)
-    return _to_operand_order(f, tile.fp4_convert) * factors
+    return _to_operand_order(_e2m1_as_e4m3(nibbles).astype(jnp.float16)) * factors
 
 
 def _i32(v):
@@ -516,12 +488,11 @@ def _fp4_scales_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
     carrier (register ``[.., j, .., i, ..]`` = the factor of the thread's row half ``i`` and
     scale group slot ``j``; not a logical array) and, for MXFP4, the rows' ``[bn]`` f32
     partial scale. ``scale_ref`` ``[E, N, K / 16 | K / 32]``, ``row0 = e * N + n0``."""
-    bn, bk = tile.block_n, tile.block_k
+    bn, bk = BLOCK_N, tile.block_k
     size = _group_size(fmt)
     groups = bk // size  # scale bytes of a row in one step: 8 | 4 (NVFP4), 4 | 2 (MXFP4)
     stride = scale_ref.shape[-1]
     mx = fmt == "mxfp4"
-    placement, nv_shift = _PLACEMENT[tile.fp4_convert], _NV_SHIFT[tile.fp4_convert]
     ret = (plgpu.ShapeDtypeStruct((bn, 16), jnp.float16, layout=plgpu.Layout.WGMMA),)
     if mx:
         ret += (plgpu.ShapeDtypeStruct((bn,), jnp.float32, layout=plgpu.Layout.WGMMA.reduce(1)),)
@@ -535,17 +506,13 @@ def _fp4_scales_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
         ptr = mgpu.utils.memref_ptr(ref)
         factors = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, 16)), object)
         row_scales = np.empty(mgpu.WGMMA_ROW_LAYOUT.registers_shape((bn,)), object)
-        for m, i in itertools.product(range(bn // 64), range(2)):  # 64-row tile, row half
-            r = arith.addi(first_row.registers.item(), arith.addi(row, _i32(64 * m + 8 * i)))
+        for i in range(2):  # row half
+            r = arith.addi(first_row.registers.item(), arith.addi(row, _i32(8 * i)))
             base = arith.addi(arith.muli(r, _i32(stride)), first_col.registers.item())
             if not mx:  # e4m3 bytes of groups own (and own + 1), 2-aligned when two
                 at = arith.addi(base, own)
                 v = _load(ptr, at, i16) if groups == 8 else arith.extui(i16, _load(ptr, at, i8))
                 f = mgpu.utils.inline_ptx("cvt.rn.f16x2.e4m3x2 $0, $1;", v, result_types=i32)
-                if nv_shift:
-                    f = mgpu.utils.bitcast(f, ir.VectorType.get((2,), ir.F16Type.get()))
-                    f = mgpu.utils.bitcast(arith.mulf(f, mgpu.utils.c(
-                        2.0**nv_shift, f.type)), i32)
                 lo = _splat_f16x2(arith.andi(f, _i32(0xFFFF)))
                 hi = _splat_f16x2(arith.shrui(f, _i32(16))) if groups == 8 else lo
             else:  # every E8M0 byte of the step (its max), then the thread's own
@@ -563,12 +530,12 @@ def _fp4_scales_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
                 f16 = arith.truncf(ir.F16Type.get(), f32)
                 bits = arith.extui(i32, arith.bitcast(i16, f16))
                 lo = hi = _splat_f16x2(bits)
-                scale_bits = arith.shli(arith.minui(arith.addi(top, _i32(placement)),
+                scale_bits = arith.shli(arith.minui(arith.addi(top, _i32(_PLACEMENT)),
                                                     _i32(255)), _i32(23))  # 2^(s_max-127+P)
-                row_scales[m, 0, i, 0, 0] = mgpu.utils.bitcast(
+                row_scales[0, 0, i, 0, 0] = mgpu.utils.bitcast(
                     scale_bits, ir.VectorType.get((1,), ir.F32Type.get()))
-            factors[m, 0, 0, 0, i, 0, 0, 0, 0] = lo
-            factors[m, 1, 0, 0, i, 0, 0, 0, 0] = hi
+            factors[0, 0, 0, 0, i, 0, 0, 0, 0] = lo
+            factors[0, 1, 0, 0, i, 0, 0, 0, 0] = hi
         out = (mgpu.FragmentedArray(_registers=factors, _layout=mgpu.WGMMA_LAYOUT,
                                     _is_signed=None),)
         if mx:
@@ -579,19 +546,10 @@ def _fp4_scales_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
     return load(scale_ref, jnp.asarray(row0, jnp.int32), jnp.asarray(kb * groups, jnp.int32))
 
 
-def _fp4_word_to_f16x2(word, convert: str):
+def _fp4_word_to_f16x2(word):
     """A 32-bit word of 8 E2M1 nibbles -> its four f16x2 registers (i32), yielded as (column
     block 2hh + j of the word's 16 operand columns, register); see the comment above."""
     i32 = ir.IntegerType.get_signless(32)
-    if convert == "bits":  # nibbles p (low half) and p + 4 (high half): block p
-        def shifted(s):
-            return (arith.shli(word, _i32(s)) if s > 0
-                    else arith.shrui(word, _i32(-s)) if s < 0 else word)
-
-        for p in range(4):
-            yield p, arith.ori(arith.andi(shifted(9 - 4 * p), _i32(0x0E000E00)),  # magnitude
-                               arith.andi(shifted(12 - 4 * p), _i32(0x80008000)))  # sign
-        return
     low = arith.ori(  # e4m3 bytes of n0, n2, n4, n6 (_e2m1_as_e4m3)
         arith.shli(arith.andi(word, _i32(0x07070707)), _i32(2)),
         arith.shli(arith.andi(word, _i32(0x08080808)), _i32(4)))
@@ -611,7 +569,7 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
     """The code tile ``w_smem [bn, bk / 2]`` (``_code_transforms``) -> the f16 A operand
     ``[bn, bk]`` (WGMMA layout) with the step's factors (``_fp4_scales_inline``'s carrier)
     multiplied in; its columns hold K columns ``fp4_operand_order``."""
-    bn, bk = tile.block_n, tile.block_k
+    bn, bk = BLOCK_N, tile.block_k
     words = bk // 32  # 32-bit words a thread reads of a row
     operand = plgpu.ShapeDtypeStruct((bn, bk), jnp.float16, layout=plgpu.Layout.WGMMA)
     row_bytes = bk // 2  # = the code tile's swizzle (_code_transforms)
@@ -623,11 +581,11 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
         f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
         row, quad = _thread_rows()
         ptr = mgpu.utils.memref_ptr(ref)
-        # register [m, b, 0, 0, i, ...]: 64-row tile m, row half i, columns 8b + 2c, 8b + 2c + 1
+        # register [0, b, 0, 0, i, ...]: row half i, columns 8b + 2c, 8b + 2c + 1
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, bk)), object)
         first = arith.muli(quad, _i32(bk // 8))  # the thread's first byte of a row
-        for m, i in itertools.product(range(bn // 64), range(2)):
-            r = arith.addi(row, _i32(64 * m + 8 * i))
+        for i in range(2):
+            r = arith.addi(row, _i32(8 * i))
             # tiles of 8 rows; in a tile, byte t = (r % 8) * row_bytes + first, its 16-byte
             # chunk XOR-ed with (t // 128) % (row_bytes // 16) (Mosaic GPU's swizzle)
             t = arith.addi(arith.muli(arith.remui(r, _i32(8)), _i32(row_bytes)), first)
@@ -640,10 +598,10 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
                                       static_position=ir.DenseI64ArrayAttr.get([w]))
                 # words 0-1 lie in the thread's first scale group, 2-3 in its second
                 # (NVFP4 at bk = 128; elsewhere both carrier slots hold the same factor)
-                f = fac.registers[m, w // 2, 0, 0, i, 0, 0, 0, 0]
-                for col_block, pair in _fp4_word_to_f16x2(word, tile.fp4_convert):
+                f = fac.registers[0, w // 2, 0, 0, i, 0, 0, 0, 0]
+                for col_block, pair in _fp4_word_to_f16x2(word):
                     val = arith.mulf(mgpu.utils.bitcast(pair, f16x2), f)
-                    regs[m, 4 * w + col_block, 0, 0, i, 0, 0, 0, 0] = val
+                    regs[0, 4 * w + col_block, 0, 0, i, 0, 0, 0, 0] = val
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     return convert(w_smem, factors)
@@ -672,18 +630,18 @@ def unsupported_reason(fmt: str, w_dtype, n: int, k: int, *,
         return f"w: dtype {w_dtype} is not {fmt} data"
     if k % tile.block_k:
         return f"w: K={k} must be a multiple of block_k={tile.block_k}"
-    if n % tile.block_n:
-        return f"w: N={n} must be a multiple of block_n={tile.block_n}"
+    if n % BLOCK_N:
+        return f"w: N={n} must be a multiple of {BLOCK_N} (the weight rows a program)"
     if (fp8_block is not None) != (fmt == "fp8"):
         return "fp8_block: FP8 weights take block scales, other formats none"
     if fp8_block is not None:
         b0, b1 = fp8_block
-        if b0 % tile.block_n or b1 % tile.block_k:
+        if b0 % BLOCK_N or b1 % tile.block_k:
             return (f"scale: the FP8 block {fp8_block} must be a multiple of "
-                    f"(block_n, block_k) = ({tile.block_n}, {tile.block_k})")
-    if fmt == "nvfp4" and (global_rows is None or global_rows % tile.block_n):
+                    f"(weight rows a program, block_k) = ({BLOCK_N}, {tile.block_k})")
+    if fmt == "nvfp4" and (global_rows is None or global_rows % BLOCK_N):
         return (f"global_scale: NVFP4 row segments of {global_rows} rows must be a multiple of "
-                f"block_n={tile.block_n} (one global scale a program)")
+                f"{BLOCK_N} (one global scale a program)")
     return None
 
 
@@ -709,7 +667,7 @@ def slot_matmul(
     """``out [R, N]`` f32 in sorted-row order, row for row with ``a`` (see the module
     docstring; rows no item owns are not written). Items own rows below ``P`` where ``R >=
     window_rows(P)`` (every item's window inside ``a``: the caller's contract, data-dependent).
-    ``k_splits`` > 1 splits K over that many programs per (item, block_n rows), each with its own
+    ``k_splits`` > 1 splits K over that many programs per (item, 64 weight rows), each with its own
     output rows, summed here (more programs for few tokens); it must divide ``K / block_k``.
     ``interpret=True`` runs the Mosaic GPU interpreter (CPU tests)."""
     if a.ndim != 2 or w.ndim != 3:
@@ -773,7 +731,7 @@ def slot_matmul(
                 raise ValueError(f"{prefix}global_scale: expected [{ws.shape[0]}, "
                                  f"{n // global_rows}] f32")
             operands.append(gs.reshape(ws.shape[0], -1).astype(jnp.float32))
-    bn, bk = tile.block_n, tile.block_k
+    bn, bk = BLOCK_N, tile.block_k
     stage = [plgpu.SMEM((bn, bk), a.dtype, transforms=_transforms(
         bk * a.dtype.itemsize, a.dtype.itemsize))] if interpret else []
     kernel = plgpu.kernel(
@@ -819,15 +777,11 @@ def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, fmt: str
 def work_items(plan: DecodePlan) -> jax.Array:
     """``[3, W]`` int32 (expert, first sorted row, row count): the decode plan's slots cut into
     items of at most ``ROWS`` rows, on device; items past the last have 0 rows (their expert
-    is an idle slot's). ``W = U + cdiv(P, ROWS)`` bounds ``sum(cdiv(rows_u, ROWS))``. The
-    plan's own ``items`` where its Pallas launch made them (``make_plan(item_rows=ROWS)``,
-    ``kernel.pairwise_items``), else here in XLA (a cumsum: fewer fusions than the pairwise
-    form)."""
-    if plan.items is not None:
-        return plan.items
+    is an idle slot's). ``W = U + cdiv(P, ROWS)`` bounds ``sum(cdiv(rows_u, ROWS))``. XLA
+    (a cumsum)."""
     expert, first, rows = plan.work  # [U]
     u_slots = expert.shape[0]
-    items = num_items(u_slots, plan.token_of_row.shape[0], ROWS)
+    items = u_slots + pl.cdiv(plan.token_of_row.shape[0], ROWS)
     chunks = lax.div(rows + ROWS - 1, ROWS)  # [U]
     ends = jnp.cumsum(chunks)  # [U] inclusive
     w = jnp.arange(items, dtype=jnp.int32)
@@ -847,7 +801,7 @@ def _scaled_rows(v):
 
 
 _MOSAIC_STATIC = ("fmt", "activation", "gate_up_layout", "limit", "alpha", "block_size", "tile",
-                  "k_splits", "items_in_plan", "interpret")
+                  "k_splits", "interpret")
 _FMT_NAMES = {WeightFormat.BF16: "bf16", WeightFormat.FP8_BLOCK: "fp8",
               WeightFormat.NVFP4: "nvfp4", WeightFormat.MXFP4: "mxfp4"}
 
@@ -891,8 +845,6 @@ def moe_decode_mosaic_pairs(
     tile: tuple[SlotTile, SlotTile] | None = None,  # (gate_up, down); None: choose_slot_tile
     k_splits: tuple[int, int] | str = "auto",  # (gate_up, down) K splits; "auto":
     #   choose_k_splits
-    items_in_plan: bool = False,  # the work items inside the Pallas plan launch (few tokens:
-    #   2-3 XLA launches fewer; not yet timed)
     interpret: bool = False,
     extra: ExtraExperts | None = None,  # a second stack: expert ids E .. E + E2 - 1
 ) -> jax.Array:
@@ -900,8 +852,8 @@ def moe_decode_mosaic_pairs(
     as ``kernel.moe_decode_pairs``, through the Mosaic GPU launches (module docstring); h
     between them is rounded to bf16 as there. ``extra`` (the shared expert folded in): same
     format and per-expert shapes, no biases. ``tile`` (``SlotTile`` of each launch: K step,
-    stages, weight rows a program, FP4 conversion) and ``k_splits`` (``slot_matmul``'s, per
-    launch; "auto": ``choose_k_splits``) default to the settings timed on the H200."""
+    stages) and ``k_splits`` (``slot_matmul``'s, per launch; "auto": ``choose_k_splits``)
+    default to the settings timed on the H200."""
     activation = Activation.coerce(activation)
     layout = GateUpLayout.coerce(gate_up_layout)
     if activation is Activation.GPT_OSS and limit is None:
@@ -927,8 +879,7 @@ def moe_decode_mosaic_pairs(
         if extra.gate_up_bias is not None or extra.down_bias is not None:
             raise ValueError("extra: biases are not supported")
         e_all += extra.gate_up.shape[0]
-    plan = make_plan(expert_ids, e_all, pallas=not interpret, interpret=interpret,
-                     item_rows=ROWS if items_in_plan else None)
+    plan = make_plan(expert_ids, e_all, pallas=not interpret, interpret=interpret)
     p = plan.token_of_row.shape[0]
     rows = window_rows(p)  # sorted rows, then rows no item owns (inside the last windows)
     work = work_items(plan)
