@@ -4,7 +4,8 @@ FP8-block / NVFP4 / MXFP4 weights.
 ``kernel.moe_decode`` (combined ``[T, H]``) and ``kernel.moe_decode_pairs`` (per pair
 ``[T, k, H]``) are the Pallas (Triton lowering) implementation (``ExtraExperts``: a second
 stack, the shared expert, read by the same launches); ``mosaic.moe_decode_mosaic_pairs`` the
-Mosaic GPU one for Hopper (BF16 and FP8 weights); ``reference`` holds the plain-jnp ones.
+Mosaic GPU one for Hopper (every format; weights as the wgmma's register operand); ``reference``
+holds the plain-jnp ones.
 Weight formats, activations and gate/up layouts are the grouped matmul's enums.
 """
 
