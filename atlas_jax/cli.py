@@ -14,6 +14,7 @@ DEFAULT_CHECKPOINT = REPO_ROOT / "checkpoints" / "qwen3-moe-tiny"
 BENCHMARKS = {
     "grouped-matmul": "grouped_matmul.py",
     "paged-attention": "paged_attention.py",
+    "paged-attention-mosaic": "paged_attention_mosaic.py",
     "autotune-grouped-matmul": "autotune_grouped_matmul.py",
     "grouped-matmul-mosaic": "grouped_matmul_mosaic.py",
     "moe-decode": "moe_decode.py",

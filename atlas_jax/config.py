@@ -128,11 +128,13 @@ class Backend(enum.Enum):
 class GmmKernel(enum.Enum):
     """Which family of Pallas kernels ``grouped_matmul="pallas"`` runs: for the prefill grouped
     matmul (``KernelConfig.gmm_kernel``) and for the MoE decode kernels
-    (``KernelConfig.decode_kernel``)."""
+    (``KernelConfig.decode_kernel``); and which paged-attention decode kernel
+    ``paged_attention="pallas"`` runs (``KernelConfig.attn_decode_kernel``)."""
 
     AUTO = "auto"  # Mosaic GPU where it supports the call and measured faster on Hopper (sm_90)
     TRITON = "triton"  # Triton lowering: every format, every NVIDIA generation
-    MOSAIC = "mosaic"  # Mosaic GPU (TMA + wgmma), sm_90: prefill BF16; decode BF16, FP8, FP4
+    MOSAIC = "mosaic"  # Mosaic GPU (TMA + wgmma), sm_90: prefill BF16; decode BF16, FP8, FP4;
+    #   paged decode over FP8 KV
 
 
 class MoEPath(enum.Enum):
@@ -162,6 +164,7 @@ _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
     "moe_path": MoEPath,
     "gmm_kernel": GmmKernel,
     "decode_kernel": GmmKernel,
+    "attn_decode_kernel": GmmKernel,
 }
 
 
@@ -577,6 +580,7 @@ class KernelConfig:
     attn_gqa_pack: bool = True  # all query heads of one KV head in one program (decode: must)
     attn_num_splits: int | None = None  # decode split-K over pages (None: heuristic)
     attn_block_pages: int | None = None  # pages per decode / prefill program step (None: heur.)
+    attn_decode_kernel: GmmKernel = GmmKernel.AUTO  # paged decode: "auto" | "triton" | "mosaic"
 
     def __post_init__(self) -> None:
         _coerce_enums(self)

@@ -91,7 +91,7 @@ SMOKE_CASES = [(1, 700, 8, 2, 64, "bf16")]
 
 
 def _as_launch(fn):
-    """A jnp formulation in the place of ``decode._combine_pallas`` (flat partials in, flat
+    """A jnp formulation in the place of ``decode.combine_pallas`` (flat partials in, flat
     ``[B * Q * Hq, D]`` rows out)."""
 
     def combine(o, lse, sinks, *, st, batch, out_dtype, interpret):
@@ -114,7 +114,7 @@ def main() -> None:
     pa.SMOKE = args.smoke
     rows = []
     key = jax.random.key(0)
-    original = decode._combine_pallas
+    original = decode.combine_pallas
     for b, ctx, hq, hk, d, dtype in SMOKE_CASES if args.smoke else CASES:
         cache = pa.make_cache(key, b, ctx, hk, d, dtype)
         xs = pa.queries(key, b, hq, d)
@@ -132,7 +132,7 @@ def main() -> None:
                     want = decode.combine_splits(o, lse, sk, q_len=1)
                     err = float(jnp.max(jnp.abs(fn(o, lse, sk, q_len=1) - want)))
                     row["max_err" if sk is None else "max_err_sinks"] = err
-                decode._combine_pallas = _as_launch(fn)
+                decode.combine_pallas = _as_launch(fn)
             jax.clear_caches()  # paged_decode is jitted: retrace it with this combine
             try:
                 # interpret mode has no SM count, hence one split: ask for 3
@@ -144,7 +144,7 @@ def main() -> None:
                     row["step_us"] = time_scan(fn, cache, xs, loops=8) * 1e6
                 out = step(cache, xs[0])
             finally:
-                decode._combine_pallas = original
+                decode.combine_pallas = original
                 jax.clear_caches()
             ref = jax.jit(pa.ref_step(dtype, d))(cache, xs[0])
             row["step_rel_err"] = pa.rel_err(out, ref)

@@ -80,3 +80,54 @@ def test_one_byte_arrays_of_2_to_4_gib_in_the_cache():
         jax.eval_shape(lambda q, c: paged_attention(
             q, c, jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 1), jnp.int32), scale=0.1,
             seq_lens=jnp.ones(1, jnp.int32), kernels=PALLAS), q, cache)
+
+
+def test_attn_decode_kernel_choice(monkeypatch):
+    """"auto" takes the Mosaic GPU FP8 kernel on sm_90 for the caches it supports; "mosaic"
+    raises naming why it cannot run (interpret mode, the KV dtype)."""
+    from atlas_jax.ops import paged_attention as op
+    from pallas_kernels import grouped_matmul as gm
+
+    cfg = aj.AttentionConfig(hidden_size=128, num_heads=32, num_kv_heads=4, head_dim=128)
+    fp8 = aj.PagedKVCache.create(8, 16, cfg, dtype=aj.KVDtype.FP8)
+    bf16 = aj.PagedKVCache.create(8, 16, cfg, dtype=aj.KVDtype.BF16)
+    mosaic = aj.KernelConfig(attn_decode_kernel="mosaic")
+    monkeypatch.setattr(op, "interpret_mode", lambda: True)
+    with pytest.raises(NotImplementedError, match="interpret mode"):
+        op._use_mosaic(jnp.zeros((8, 1, 32, 128)), fp8, None, mosaic)
+    monkeypatch.setattr(op, "interpret_mode", lambda: False)
+    monkeypatch.setattr(gm, "device_compute_capability", lambda: (9, 0))
+    auto = aj.KernelConfig()
+    assert op._use_mosaic(jnp.zeros((8, 1, 32, 128)), fp8, None, auto)
+    assert op._use_mosaic(jnp.zeros((1, 4, 32, 128)), fp8, None, auto)
+    assert not op._use_mosaic(jnp.zeros((1, 1, 32, 128)), fp8, None,
+                              auto.replace(attn_block_pages=8))
+    assert not op._use_mosaic(jnp.zeros((1, 4, 80, 128)), fp8, None, auto)  # 4 x 20 > 64 rows
+    assert not op._use_mosaic(jnp.zeros((8, 1, 32, 128)), bf16, None, auto)
+    assert not op._use_mosaic(jnp.zeros((8, 1, 32, 128)), fp8, 30.0, auto)  # softcap
+    assert not op._use_mosaic(jnp.zeros((8, 1, 32, 128)), fp8, None,
+                              auto.replace(attn_decode_kernel="triton"))
+    assert op._use_mosaic(jnp.zeros((1, 1, 32, 128)), fp8, None, mosaic)
+    with pytest.raises(NotImplementedError, match="FP8 pages"):
+        op._use_mosaic(jnp.zeros((8, 1, 32, 128)), bf16, None, mosaic)
+    monkeypatch.setattr(gm, "device_compute_capability", lambda: (10, 0))
+    assert not op._use_mosaic(jnp.zeros((8, 1, 32, 128)), fp8, None, auto)
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_decode_mosaic_fp8_equals_xla_on_gpu(q_len):
+    cfg = aj.AttentionConfig(hidden_size=256, num_heads=16, num_kv_heads=2, head_dim=128,
+                             sliding_window=20)
+    params = aj.attention.init_params(jax.random.key(0), cfg, dtype=jnp.float32)
+    cache = aj.PagedKVCache.create(24, 16, cfg, dtype=aj.KVDtype.FP8)
+    tables = jnp.array([[5, 1, 9, 14, 2, 20], [3, 17, 0, 8, 11, 6]], jnp.int32)
+    x = jax.random.normal(jax.random.key(1), (2, 40, 256))
+    _, cache = aj.attention.prefill(params, x, cache, tables, jnp.zeros(2, jnp.int32),
+                                    lengths=jnp.array([40, 23]))
+    x = jax.random.normal(jax.random.key(2), (2, q_len, 256))
+    seq = jnp.array([40, 23]) + q_len
+    want, _ = aj.attention.decode(params, x, cache, tables, seq, kernels=XLA)
+    got, _ = aj.attention.decode(params, x, cache, tables, seq,
+                                 kernels=PALLAS.replace(attn_decode_kernel="mosaic"))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3

@@ -360,7 +360,7 @@ class TestOtherShapes:
             head_dim=d, page_size=16, max_pages=4, rows=16, pages_per_step=1,
             num_splits=num_splits, scale=1.0, sliding_window=None, logit_softcap=None,
             inline_asm=False)
-        got = decode_mod._combine_pallas(o.reshape(-1, d), lse.reshape(-1), sink, st=st,
+        got = decode_mod.combine_pallas(o.reshape(-1, d), lse.reshape(-1), sink, st=st,
                                          batch=b, out_dtype=jnp.bfloat16, interpret=True)
         want = combine_splits(o, lse, sink, q_len=q_len)  # [B, Q, Hq, D]
         chex.assert_type(got, jnp.bfloat16)

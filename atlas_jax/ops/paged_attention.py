@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from atlas_jax.config import Backend, KernelConfig
+from atlas_jax.config import Backend, GmmKernel, KernelConfig
 from atlas_jax.ops._dispatch import interpret_mode, resolve_backend
 
 if TYPE_CHECKING:
@@ -172,6 +172,35 @@ def _call_kernel(kernel, q, cache, block_tables, positions, **kw) -> jax.Array:
                   interpret=interpret_mode())
 
 
+def _use_mosaic(q, cache: PagedKVCache, logit_softcap, k: KernelConfig) -> bool:
+    """``KernelConfig.attn_decode_kernel`` resolved: "mosaic" (NotImplementedError naming the
+    reason where the Mosaic GPU kernel cannot run), "triton", or "auto": Mosaic GPU on an
+    sm_90 GPU for the FP8 caches it supports, unless ``attn_block_pages`` (a Triton tunable) is
+    set. On the H200 it measured 1.08-1.45x the Triton FP8 kernel (B 1..32, 4k..32k;
+    benchmarks/RESULTS.md, session 11)."""
+    from pallas_kernels.paged_attention.mosaic import unsupported_reason
+
+    _, nq, hq, d = q.shape
+    hk = cache.k.data.shape[2]
+    reason = unsupported_reason(cache.dtype.value, d, cache.k.data.shape[1], nq * hq // hk,
+                                logit_softcap)
+    match k.attn_decode_kernel:
+        case GmmKernel.TRITON:
+            return False
+        case GmmKernel.MOSAIC:
+            if interpret_mode():
+                reason = "the Mosaic GPU kernel runs on an sm_90 GPU only (no interpret mode)"
+            if reason is not None:
+                raise NotImplementedError(f"paged_attention: {reason}; use "
+                                          "KernelConfig(attn_decode_kernel='auto' or 'triton')")
+            return True
+        case GmmKernel.AUTO:
+            from pallas_kernels.grouped_matmul import device_compute_capability
+
+            return (reason is None and not interpret_mode()
+                    and device_compute_capability() == (9, 0) and k.attn_block_pages is None)
+
+
 def paged_attention_pallas(
     q: jax.Array,  # [B, Q, Hq, D]
     cache: PagedKVCache,
@@ -184,10 +213,18 @@ def paged_attention_pallas(
     sinks: jax.Array | None = None,
     kernels: KernelConfig | None = None,
 ) -> jax.Array:  # [B, Q, Hq, D] float32
-    """The decode kernel over the cache's pages."""
-    from pallas_kernels.paged_attention import DecodeConfig, paged_decode
+    """The decode kernel over the cache's pages: the Triton split-K kernel, or for FP8 pages
+    the Mosaic GPU one (``KernelConfig.attn_decode_kernel``, ``_use_mosaic``)."""
+    from pallas_kernels.paged_attention import DecodeConfig, paged_decode, paged_decode_mosaic
 
     k = kernels or KernelConfig()
+    if _use_mosaic(q, cache, logit_softcap, k):
+        pages = _pages(cache)
+        return paged_decode_mosaic(q, pages["k_pages"], pages["v_pages"],
+                                   block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32),
+                                   k_scale=pages["k_scale"], v_scale=pages["v_scale"],
+                                   scale=scale, sliding_window=sliding_window, sinks=sinks,
+                                   num_splits=k.attn_num_splits, out_dtype=jnp.float32)
     config = None
     if k.attn_num_splits is not None or k.attn_block_pages is not None:
         config = DecodeConfig(pages_per_step=k.attn_block_pages or 8,

@@ -552,8 +552,8 @@ def _paged_decode_pallas(
     if st.num_splits == 1:
         return out.reshape(q.shape[:3] + (st.head_dim,))
     o, lse = out
-    return _combine_pallas(o, lse, sinks, st=st, batch=b, out_dtype=out_dtype,
-                           interpret=interpret).reshape(q.shape[:3] + (st.head_dim,))
+    return combine_pallas(o, lse, sinks, st=st, batch=b, out_dtype=out_dtype,
+                          interpret=interpret).reshape(q.shape[:3] + (st.head_dim,))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -561,6 +561,22 @@ def _paged_decode_pallas(
 # ---------------------------------------------------------------------------------------------
 
 COMBINE_TILE = 4096  # f32 elements of one combine program's [span, columns] tile of partials
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitShape:
+    """What the split combine specializes on (``_Static`` has the same fields; the Mosaic GPU
+    FP8 kernel, ``mosaic.py``, passes this)."""
+
+    q_len: int
+    num_q_heads: int
+    num_kv_heads: int
+    num_splits: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
 
 
 def combine_columns(num_splits: int, head_dim: int) -> tuple[int, int]:
@@ -571,7 +587,8 @@ def combine_columns(num_splits: int, head_dim: int) -> tuple[int, int]:
     return span, max(16, min(head_dim, COMBINE_TILE // span))
 
 
-def combine_kernel(o_ref, lse_ref, sinks_ref, out_ref, *, st: _Static, span: int, cols: int):
+def combine_kernel(o_ref, lse_ref, sinks_ref, out_ref, *, st: _Static | SplitShape, span: int,
+                   cols: int):
     """Columns ``[c * cols, (c + 1) * cols)`` of one output row ``(b, q, h)`` of a split decode:
     the log-sum-exp combination of its ``num_splits`` partial rows and the sink, read in one
     ``[span, cols]`` load (no loop: one round trip to L2). Partial rows are ordered ``(b, kv
@@ -603,8 +620,8 @@ def combine_kernel(o_ref, lse_ref, sinks_ref, out_ref, *, st: _Static, span: int
                 out[None, :].astype(out_ref.dtype))
 
 
-def _combine_pallas(o, lse, sinks, *, st: _Static, batch: int, out_dtype, interpret: bool
-                    ) -> jax.Array:
+def combine_pallas(o, lse, sinks, *, st: _Static | SplitShape, batch: int, out_dtype,
+                   interpret: bool) -> jax.Array:
     """``combine_splits`` as one launch: ``[B * Q * Hq, D]`` rows from the partial ``o``
     ``[B * Hk * S * Q * G, D]`` and ``lse`` ``[B * Hk * S * Q * G]``; grid (partial rows of
     one split, column blocks)."""

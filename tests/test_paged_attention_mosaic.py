@@ -1,0 +1,125 @@
+"""Tests of the Mosaic GPU FP8 paged-decode kernel (``pallas_kernels/paged_attention/mosaic.py``).
+
+On any machine: the token order of the O^T dot (a permutation, conflict-free V loads), the
+two-term e4m3 queries, the support checks, and the lowering of the kernel for sm_90 (Mosaic GPU
+layout inference and the module build; no GPU needed). On a GPU: the compiled kernel against the
+plain-jnp reference with the paged-attention tests' cases (ragged lengths, scattered pages,
+NaN poison in every cell no query may read, Q = 1..4, window, sinks, several splits).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import mesh as mesh_lib
+
+from pallas_kernels.paged_attention.config import KVDtype
+from pallas_kernels.paged_attention.mosaic import (
+    MAX_ROWS,
+    T,
+    k_of_token,
+    paged_decode_mosaic,
+    query_terms,
+    token_of_k,
+    unsupported_reason,
+)
+from pallas_kernels.paged_attention.reference import paged_decode_reference
+from tests.test_paged_attention_kernel import GPU_GEO, Geometry, make_case
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+TOL = 3e-3  # e4m3 hi + lo terms of q and of the probabilities: ~8 significant bits each
+
+
+def test_token_order_is_a_permutation_with_conflict_free_loads():
+    k = np.arange(T)
+    tok = token_of_k(k)
+    assert sorted(tok) == list(range(T))
+    np.testing.assert_array_equal(k_of_token(tok), k)
+    # one V load instruction: quad lane c loads token 16 kb + 8 (e // 2) + 2c + e % 2 for a
+    # fixed (kb, e); the 128-byte swizzle XORs the 16-byte chunk with t % 8: distinct, one parity
+    for kb in range(4):
+        for e in range(4):
+            ts = [token_of_k(16 * kb + 4 * c + e) for c in range(4)]
+            assert len({t % 8 for t in ts}) == 4 and len({t % 2 for t in ts}) == 1
+
+
+def test_query_terms_reconstruct_the_queries():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 3, 8, 128)) * np.logspace(-3, 3, 8)[None, None, :, None]
+    q = jnp.asarray(q, jnp.bfloat16)
+    qcat, qinv = query_terms(q, group=4, rows_pad=16, scale=0.1)
+    assert qcat.shape == (2, 2, 32, 128) and qcat.dtype == jnp.float8_e4m3fn
+    hi, lo = qcat[:, :, :16].astype(jnp.float32), qcat[:, :, 16:].astype(jnp.float32)
+    x = q.astype(jnp.float32).reshape(2, 3, 2, 4, 128).transpose(0, 2, 1, 3, 4)
+    x = x.reshape(2, 2, 12, 128)
+    back = (hi + lo)[:, :, :12] * (qinv[:, :, :12, None] / (0.1 * np.log2(np.e)))
+    err = np.abs(np.asarray(back - x)).max(axis=-1) / np.abs(np.asarray(x)).max(axis=-1)
+    assert err.max() < 2.0**-8
+    assert np.all(np.asarray(hi[:, :, 12:]) == 0) and np.all(np.asarray(lo[:, :, 12:]) == 0)
+
+
+def test_unsupported_reasons():
+    assert unsupported_reason("fp8", 128, 16, 8, None) is None
+    assert "FP8" in unsupported_reason("bf16", 128, 16, 8, None)
+    assert "head_dim 64" in unsupported_reason("fp8", 64, 16, 8, None)
+    assert "page_size 128" in unsupported_reason("fp8", 128, 128, 8, None)
+    assert "query rows" in unsupported_reason("fp8", 128, 16, MAX_ROWS + 1, None)
+    assert "softcap" in unsupported_reason(KVDtype.FP8, 128, 16, 8, 30.0)
+
+
+def _abstract(b, q_len, hq, hk, p, n=64, pt=16):
+    sd = jax.ShapeDtypeStruct
+    return [sd((b, q_len, hq, 128), jnp.bfloat16), sd((n, p, hk, 128), jnp.float8_e4m3fn),
+            sd((n, p, hk, 128), jnp.float8_e4m3fn), sd((b, pt), jnp.int32), sd((b,), jnp.int32),
+            sd((n, p, hk), jnp.float32), sd((n, p, hk), jnp.float32)]
+
+
+@pytest.mark.parametrize("q_len,hq,hk,p,window,splits", [
+    (1, 32, 4, 16, None, 2), (4, 32, 4, 16, 100, 3), (3, 64, 8, 32, None, 1),
+    (2, 8, 8, 8, None, 1)])
+def test_lowers_for_sm90(q_len, hq, hk, p, window, splits):
+    """Mosaic GPU layout inference and the module build for an abstract H200 (no GPU)."""
+    def f(q, k, v, bt, sl, ks, vs):
+        return paged_decode_mosaic(q, k, v, bt, sl, k_scale=ks, v_scale=vs, scale=0.1,
+                                   sliding_window=window, num_splits=splits)
+
+    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(f).trace(*_abstract(2, q_len, hq, hk, p)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+GPU_CASES = [
+    # (id, Q, G, options, splits, geometry)
+    ("q1_g8_auto", 1, 8, {}, None, GPU_GEO),
+    ("q1_g8_s1", 1, 8, {}, 1, GPU_GEO),
+    ("q4_g4_window_sinks", 4, 4, dict(window=700, sinks=True), None, GPU_GEO),
+    ("q2_g8_s5", 2, 8, {}, 5, GPU_GEO),
+    ("q3_g8_page8", 3, 8, dict(sinks=True), 2,
+     Geometry(page_size=8, num_pages=700, num_kv_heads=2, table_pages=300)),
+    ("q1_g1_page32", 1, 1, dict(window=100), 3,
+     Geometry(page_size=32, num_pages=300, num_kv_heads=8, table_pages=60)),
+]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs an sm_90 GPU: runs the compiled Mosaic GPU kernel")
+@pytest.mark.parametrize("name,q_len,group,opts,splits,geo", GPU_CASES,
+                         ids=[c[0] for c in GPU_CASES])
+def test_compiled_on_gpu_against_reference(name, q_len, group, opts, splits, geo):
+    seed = zlib.crc32(f"mosaic/{name}".encode()) % 1000
+    args, kw = make_case(seed, KVDtype.FP8, q_len=q_len, group=group, d=128,
+                         window=opts.get("window"), sinks=opts.get("sinks", False), geo=geo)
+    ref = paged_decode_reference(*args, **kw)
+    kw.pop("kv_dtype")
+    out = paged_decode_mosaic(*args, **kw, num_splits=splits, out_dtype=jnp.float32)
+    assert bool(jnp.all(jnp.isfinite(out))), "NaN/inf in the output (unwritten or poison read)"
+    out, ref = np.asarray(out), np.asarray(ref)
+    rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert rel <= TOL, f"relative error {rel:.2e}"
+    assert np.max(np.abs(out - ref)) <= 20 * TOL * np.max(np.abs(ref))
