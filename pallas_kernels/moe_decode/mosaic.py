@@ -63,9 +63,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, vector
+from jaxlib.mlir.dialects import arith, vector
 
 from pallas_kernels._dequant import e8m0_step_to_f16, e8m0_to_f32
+from pallas_kernels._mgpu import i32 as _i32
+from pallas_kernels._mgpu import load as _load
+from pallas_kernels._mgpu import thread_rows as _thread_rows
 from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout, WeightFormat
 from pallas_kernels.grouped_matmul.reference import (
     GPT_OSS_ALPHA,
@@ -458,25 +461,6 @@ def _fp4_operands_jnp(w_smem, factors):
     return _to_operand_order(_e2m1_as_e4m3(nibbles).astype(jnp.float16)) * factors
 
 
-def _i32(v):
-    return mgpu.utils.c(v, ir.IntegerType.get_signless(32))
-
-
-def _thread_rows():
-    """(this thread's first row in the WGMMA layout, its lane in the quad ``c``), i32."""
-    tid = mgpu.utils.thread_idx()
-    lane = arith.remui(tid, _i32(32))
-    warp = arith.remui(arith.divui(tid, _i32(32)), _i32(4))
-    row = arith.addi(arith.muli(warp, _i32(16)), arith.divui(lane, _i32(4)))
-    return row, arith.remui(lane, _i32(4))
-
-
-def _load(ptr, offset, ty):
-    """``ty`` at byte ``offset`` (i32) from ``ptr`` (aligned to ``ty``'s size by the caller)."""
-    return llvm.load(ty, mgpu.utils.getelementptr(ptr, [offset],
-                                                  ir.IntegerType.get_signless(8)))
-
-
 def _splat_f16x2(bits):
     """i32 whose low 16 bits are an f16 -> vector<2xf16> holding it twice."""
     pair = arith.ori(bits, arith.shli(bits, _i32(16)))
@@ -501,7 +485,7 @@ def _fp4_scales_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
                                   plgpu.Layout.WG_SPLAT), return_type=ret)
     def load(_, ref, first_row, first_col):
         i8, i16, i32 = (ir.IntegerType.get_signless(b) for b in (8, 16, 32))
-        row, quad = _thread_rows()
+        row, _, _, quad = _thread_rows()
         own = arith.divui(arith.muli(quad, _i32(bk // 4)), _i32(size))  # the thread's 1st group
         ptr = mgpu.utils.memref_ptr(ref)
         factors = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, 16)), object)
@@ -579,7 +563,7 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
     def convert(_, ref, fac):
         i32 = ir.IntegerType.get_signless(32)
         f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
-        row, quad = _thread_rows()
+        row, _, _, quad = _thread_rows()
         ptr = mgpu.utils.memref_ptr(ref)
         # register [0, b, 0, 0, i, ...]: row half i, columns 8b + 2c, 8b + 2c + 1
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, bk)), object)

@@ -54,6 +54,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, vector
 
+from pallas_kernels._mgpu import f32 as _f32
+from pallas_kernels._mgpu import gep as _gep
+from pallas_kernels._mgpu import i32 as _i32
+from pallas_kernels._mgpu import load as _load
+from pallas_kernels._mgpu import thread_rows as _thread_rows
 from pallas_kernels.paged_attention.config import KVDtype
 
 T = 64  # tokens a step: the S^T wgmma's M, the O^T wgmma's K
@@ -165,33 +170,6 @@ def _bounds(seq_len, split, st: _Static):
 # ---------------------------------------------------------------------------------------------
 # Inline Mosaic GPU blocks (the register-level parts).
 # ---------------------------------------------------------------------------------------------
-
-
-def _i32(v):
-    return mgpu.utils.c(v, ir.IntegerType.get_signless(32))
-
-
-def _f32(v):
-    return mgpu.utils.c(v, ir.F32Type.get())
-
-
-def _thread_rows():
-    """(this thread's first row in the WGMMA layout ``16 w + g``, warp w, row group g, quad
-    lane c), i32."""
-    tid = mgpu.utils.thread_idx()
-    lane = arith.remui(tid, _i32(32))
-    warp = arith.remui(arith.divui(tid, _i32(32)), _i32(4))
-    g = arith.divui(lane, _i32(4))
-    return arith.addi(arith.muli(warp, _i32(16)), g), warp, g, arith.remui(lane, _i32(4))
-
-
-def _gep(ptr, offset):
-    return mgpu.utils.getelementptr(ptr, [offset], ir.IntegerType.get_signless(8))
-
-
-def _load(ptr, offset, ty):
-    """``ty`` at byte ``offset`` (i32) from ``ptr``."""
-    return llvm.load(ty, _gep(ptr, offset))
 
 
 def _ptx(text, *args, ty=None):
