@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import device_busy, hbm_copy_bandwidth, table, time_scan  # noqa: E402
 from benchmarks.paged_attention import (  # noqa: E402
-    cache_bytes,
     make_cache,
     ours_step,
     queries,
@@ -32,6 +31,7 @@ from benchmarks.paged_attention import (  # noqa: E402
     rel_err,
     short_err,
 )
+from pallas_kernels.paged_attention import kv_bytes_per_token  # noqa: E402
 from pallas_kernels.paged_attention.mosaic import paged_decode_mosaic  # noqa: E402
 
 D = 128
@@ -63,7 +63,7 @@ def bench(cases, hbm: float) -> list[dict]:
                                   ("fp8", "fp8_triton", ours_step("fp8", D)),
                                   ("fp8", "fp8_mosaic", mosaic_step())):
             cache = make_cache(jax.random.key(0), b, ctx, hk, D, dtype)
-            nbytes = cache_bytes(b, ctx, hk, D, dtype) - 4 * b * (ctx // 16 + 1)  # - tables
+            nbytes = b * ctx * kv_bytes_per_token(dtype, hk, D)
             try:
                 if name == "fp8_mosaic":
                     want = jax.jit(ref_step("fp8", D))(cache, xs[0])
@@ -92,7 +92,7 @@ def sweep(case, stage_counts, split_counts, hbm: float) -> list[dict]:
     b, ctx, hq, hk = case
     xs = queries(jax.random.key(1), b, hq, D)
     cache = make_cache(jax.random.key(0), b, ctx, hk, D, "fp8")
-    nbytes = cache_bytes(b, ctx, hk, D, "fp8") - 4 * b * (ctx // 16 + 1)
+    nbytes = b * ctx * kv_bytes_per_token("fp8", hk, D)
     rows = []
     for stages in stage_counts:
         for splits in split_counts:

@@ -158,3 +158,18 @@ def test_the_kernels_arithmetic_in_jnp():
 
     assert err(kernel_math(True, True)) < 1e-3
     assert err(kernel_math(False, True)) > 1e-2 and err(kernel_math(True, False)) > 1e-2
+
+
+def test_checks_its_arguments_as_paged_decode():
+    """The argument checks are paged_decode's (decode.check_decode_inputs): they raise before
+    any kernel is built, on any machine."""
+    q, k, v, bt, sl, ks, vs = (jnp.zeros(a.shape, a.dtype) for a in _abstract(2, 1, 32, 4, 16))
+    kw = dict(k_scale=ks, v_scale=vs, scale=0.1)
+    with pytest.raises(TypeError, match="seq_lens: expected an integer dtype"):
+        paged_decode_mosaic(q, k, v, bt, sl.astype(jnp.float32), **kw)
+    with pytest.raises(TypeError, match="q: expected dtype"):
+        paged_decode_mosaic(q.astype(jnp.int8), k, v, bt, sl, **kw)
+    with pytest.raises(ValueError, match="k_scale"):
+        paged_decode_mosaic(q, k, v, bt, sl, k_scale=None, v_scale=vs, scale=0.1)
+    with pytest.raises(NotImplementedError, match="head_dim 64"):
+        paged_decode_mosaic(q[..., :64], k[..., :64], v[..., :64], bt, sl, **kw)

@@ -377,6 +377,27 @@ def kernel_operands(positions, block_tables, q, k_pages, k_scale, k_global, v_pa
 # ---------------------------------------------------------------------------------------------
 
 
+def split_steps(seq_len, split, *, q_len: int, page_size: int, max_pages: int,
+                pages_per_step: int, num_splits: int, sliding_window: int | None):
+    """``(lo, hi, first_page, j0, j1)`` of split ``split`` of a sequence of ``seq_len`` tokens
+    (traced int32): its keys ``[lo, hi)`` are read, from page ``first_page`` on, in page steps
+    ``[j0, j1)`` (``pages_per_step`` pages a step; the sequence's steps cut into
+    ``num_splits`` even, contiguous shares). Shared by the Triton and the Mosaic GPU kernels."""
+    div, p, pps = jax.lax.div, page_size, pages_per_step
+    hi = jnp.minimum(seq_len, max_pages * p)
+    if sliding_window is None:
+        lo = jnp.int32(0)
+    else:
+        lo = jnp.maximum(seq_len - q_len - sliding_window + 1, 0)
+    first_page = div(lo, p)
+    num_pages = jnp.maximum(div(hi + p - 1, p) - first_page, 0)
+    num_steps = div(num_pages + pps - 1, pps)
+    per_split = div(num_steps + num_splits - 1, num_splits)
+    j0 = split * per_split
+    j1 = jnp.minimum(j0 + per_split, num_steps)
+    return lo, hi, first_page, j0, j1
+
+
 def paged_decode_kernel(
     seq_lens_ref,  # [B] int32
     block_tables_ref,  # [B * Pt] int32 (flattened; page ids read per step)
@@ -413,19 +434,9 @@ def paged_decode_kernel(
 
     seq_len = seq_lens_ref[b]
     q_pos = seq_len - nq + qi  # [R] position of each row's query (padding rows: >= seq_len)
-    hi = jnp.minimum(seq_len, st.max_pages * p)  # keys [lo, hi) are read
-    if st.sliding_window is None:
-        lo = jnp.int32(0)
-    else:
-        lo = jnp.maximum(seq_len - nq - st.sliding_window + 1, 0)
-
-    # ---- this split's page steps: the sequence's steps cut into S even, contiguous shares ----
-    first_page = div(lo, p)
-    num_pages = jnp.maximum(div(hi + p - 1, p) - first_page, 0)
-    num_steps = div(num_pages + pps - 1, pps)
-    per_split = div(num_steps + st.num_splits - 1, st.num_splits)
-    j0 = split * per_split
-    j1 = jnp.minimum(j0 + per_split, num_steps)
+    lo, hi, first_page, j0, j1 = split_steps(
+        seq_len, split, q_len=nq, page_size=p, max_pages=st.max_pages, pages_per_step=pps,
+        num_splits=st.num_splits, sliding_window=st.sliding_window)
 
     tt = jnp.arange(t_step, dtype=jnp.int32)  # token within the step
     kv_row_in_page = rem(tt, p) * st.num_kv_heads + h  # [T]
@@ -760,6 +771,28 @@ def _check_options(scale, sliding_window, logit_softcap) -> None:
         raise ValueError(f"logit_softcap: expected a positive float or None, got {c!r}")
 
 
+def check_decode_inputs(q, k_pages, v_pages, block_tables, seq_lens, sinks, *,
+                        kv_dtype: KVDtype, scales: dict, scale, sliding_window, logit_softcap,
+                        out_dtype):
+    """The argument checks of the decode entries (``paged_decode``, ``mosaic.
+    paged_decode_mosaic``): ValueError / TypeError naming the argument. Returns ``(N, P, Hk,
+    scales as the kernels take them, the output dtype)``."""
+    if q.ndim != 4:
+        raise ValueError(f"q: expected rank 4 [B, Q, Hq, D], got shape {q.shape}")
+    b, _, hq, d = q.shape
+    if q.dtype not in [jnp.dtype(t) for t in _Q_DTYPES]:
+        raise TypeError(f"q: expected dtype bf16, f16 or f32, got {q.dtype}")
+    n, p, hk = _check_pages(q, k_pages, v_pages, block_tables, kv_dtype)
+    _expect_shape("seq_lens", seq_lens, (b,))
+    if not jnp.issubdtype(seq_lens.dtype, jnp.integer):
+        raise TypeError(f"seq_lens: expected an integer dtype, got {seq_lens.dtype}")
+    if sinks is not None:
+        _expect_shape("sinks", sinks, (hq,))
+    scales = _check_scales(kv_dtype, n, p, hk, d, scales)
+    _check_options(scale, sliding_window, logit_softcap)
+    return n, p, hk, scales, _out_dtype(q, out_dtype)
+
+
 def _page_views(k_pages, v_pages, k_scale, v_scale) -> tuple[jax.Array, jax.Array]:
     """The K / V pages as the kernels read them: 1-byte pages (FP8, NVFP4) whose int32 offsets
     would overflow in Pallas' Triton lowering (2^31..2^32 elements) through their uint16 pair
@@ -818,36 +851,15 @@ def paged_decode(
     size that is not a power of two, more than 128 query rows per kv head).
     """
     kv_dtype = KVDtype.coerce(kv_dtype)
-
-    # ---- shapes and dtypes ----
-    if q.ndim != 4:
-        raise ValueError(f"q: expected rank 4 [B, Q, Hq, D], got shape {q.shape}")
+    n, p, hk, scales, out_dtype = check_decode_inputs(
+        q, k_pages, v_pages, block_tables, seq_lens, sinks, kv_dtype=kv_dtype,
+        scales=dict(k_scale=k_scale, v_scale=v_scale, k_global_scale=k_global_scale,
+                    v_global_scale=v_global_scale),
+        scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
+        out_dtype=out_dtype)
     b, nq, hq, d = q.shape
-    if q.dtype not in [jnp.dtype(t) for t in _Q_DTYPES]:
-        raise TypeError(f"q: expected dtype bf16, f16 or f32, got {q.dtype}")
-    n, p, hk = _check_pages(q, k_pages, v_pages, block_tables, kv_dtype)
-    _expect_shape("seq_lens", seq_lens, (b,))
-    if not jnp.issubdtype(seq_lens.dtype, jnp.integer):
-        raise TypeError(f"seq_lens: expected an integer dtype, got {seq_lens.dtype}")
-    if sinks is not None:
-        _expect_shape("sinks", sinks, (hq,))
-    scales = _check_scales(
-        kv_dtype,
-        n,
-        p,
-        hk,
-        d,
-        dict(
-            k_scale=k_scale,
-            v_scale=v_scale,
-            k_global_scale=k_global_scale,
-            v_global_scale=v_global_scale,
-        ),
-    )
-    _check_options(scale, sliding_window, logit_softcap)
     if config is not None and not isinstance(config, DecodeConfig):
         raise TypeError(f"config: expected a DecodeConfig or None, got {type(config).__name__}")
-    out_dtype = _out_dtype(q, out_dtype)
 
     # ---- unsupported combinations ----
     if d not in HEAD_DIMS:

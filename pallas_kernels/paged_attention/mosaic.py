@@ -59,6 +59,7 @@ from pallas_kernels._mgpu import gep as _gep
 from pallas_kernels._mgpu import i32 as _i32
 from pallas_kernels._mgpu import load as _load
 from pallas_kernels._mgpu import thread_rows as _thread_rows
+from pallas_kernels.paged_attention import decode as dec
 from pallas_kernels.paged_attention.config import KVDtype
 
 T = 64  # tokens a step: the S^T wgmma's M, the O^T wgmma's K
@@ -142,29 +143,6 @@ def query_terms(q, *, group: int, rows_pad: int, scale: float):
     hi, lo = _e4m3_terms(jnp.ldexp(x, u[..., None]))
     qinv = jnp.ldexp(jnp.float32(scale * LOG2E), -u)
     return jnp.concatenate([hi, lo], axis=2), qinv
-
-
-# ---------------------------------------------------------------------------------------------
-# Step bounds (as decode.paged_decode_kernel cuts a sequence into splits).
-# ---------------------------------------------------------------------------------------------
-
-
-def _bounds(seq_len, split, st: _Static):
-    """(first key position read, end, first page, first step, end step) of one split."""
-    p = st.page_size
-    pps = T // p
-    hi = jnp.minimum(seq_len, st.max_pages * p)
-    if st.sliding_window is None:
-        lo = jnp.int32(0)
-    else:
-        lo = jnp.maximum(seq_len - st.q_len - st.sliding_window + 1, 0)
-    first_page = lax.div(lo, p)
-    num_pages = jnp.maximum(lax.div(hi + p - 1, p) - first_page, 0)
-    num_steps = lax.div(num_pages + pps - 1, pps)
-    per_split = lax.div(num_steps + st.num_splits - 1, st.num_splits)
-    j0 = split * per_split
-    j1 = jnp.minimum(j0 + per_split, num_steps)
-    return lo, hi, first_page, j0, j1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,8 +256,8 @@ def _column_values(qinv_ref, base, *, st: _Static):
     return load(qinv_ref, jnp.asarray(base, jnp.int32))
 
 
-def _max_over_tokens(values, red_ptr, warp, g, c, *, rp: int, op):
-    """``values[(q, j, v)]`` (per thread: the reduction of its two rows) -> the reduction over
+def _reduce_over_tokens(values, red_ptr, warp, g, c, *, rp: int, op):
+    """``values[(q, j, v)]`` (per thread: ``op`` over its two rows) -> ``op`` (max or add) over
     all 64 token rows: warp shuffles over the row groups, then the 4 warps through SMEM
     (``red`` ``[4, len(quantities), R]`` f32 of this step's parity)."""
     out = {}
@@ -360,7 +338,7 @@ def _softmax_step(s_acc, scales, qinv, m, mv, l, red_ref, parity, p_ref, t0, lo,
                     lv[j, v, i] = _select(ok, arith.addf(x, _log2(_lane(sc, 1))), neg_inf)
                 step_max[0, j, v] = arith.maximumf(logit[j, v, 0], logit[j, v, 1])
                 step_max[1, j, v] = arith.maximumf(lv[j, v, 0], lv[j, v, 1])
-        step_max = _max_over_tokens(step_max, red_ptr, warp, g, c, rp=rp, op=arith.maximumf)
+        step_max = _reduce_over_tokens(step_max, red_ptr, warp, g, c, rp=rp, op=arith.maximumf)
 
         p_ptr = mgpu.utils.memref_ptr(p_tile)
         regs = {name: _wgmma_regs((T, rp)) for name in ("m", "mv", "l")}
@@ -486,7 +464,7 @@ def _finish(o0, o1, m, mv, l, red_ref, parity, o_ref, lse_ref, base_row, *, st: 
         for j in range(rp // 8):
             for v in range(2):
                 sums[0, j, v] = arith.addf(_lane(_reg(l, j, 0), v), _lane(_reg(l, j, 1), v))
-        sums = _max_over_tokens(sums, red_ptr, warp, g, c, rp=rp, op=arith.addf)
+        sums = _reduce_over_tokens(sums, red_ptr, warp, g, c, rp=rp, op=arith.addf)
         o_ptr, lse_ptr = mgpu.utils.memref_ptr(o_out), mgpu.utils.memref_ptr(lse_out)
         word = arith.addi(arith.muli(warp, _i32(8)), g)
         vec4 = ir.VectorType.get((4,), f32)
@@ -549,7 +527,9 @@ def _kernel(seq_lens, block_tables, qcat, qinv, k_pages, k_scale, v_pages, v_sca
     p, rp, stages = st.page_size, st.rows_pad, st.num_stages
     pps = T // p
     seq_len = seq_lens[b]
-    lo, hi, first_page, j0, j1 = _bounds(seq_len, split, st)
+    lo, hi, first_page, j0, j1 = dec.split_steps(
+        seq_len, split, q_len=st.q_len, page_size=p, max_pages=st.max_pages,
+        pages_per_step=pps, num_splits=st.num_splits, sliding_window=st.sliding_window)
     n = jnp.maximum(j1 - j0, 0)
     last_page = jnp.maximum(lax.div(hi + p - 1, p) - 1, 0)
 
@@ -666,19 +646,13 @@ def paged_decode_mosaic(
     NotImplementedError for what ``unsupported_reason`` names. ``num_splits=None``:
     ``choose_splits``; ``num_stages``: 64-token steps of K and V in flight."""
     from pallas_kernels._device import device_sm_count
-    from pallas_kernels.paged_attention import decode as dec
 
-    if q.ndim != 4:
-        raise ValueError(f"q: expected rank 4 [B, Q, Hq, D], got shape {q.shape}")
+    n, p, hk, scales, out_dtype = dec.check_decode_inputs(
+        q, k_pages, v_pages, block_tables, seq_lens, sinks, kv_dtype=KVDtype.FP8,
+        scales=dict(k_scale=k_scale, v_scale=v_scale, k_global_scale=None,
+                    v_global_scale=None),
+        scale=scale, sliding_window=sliding_window, logit_softcap=None, out_dtype=out_dtype)
     b, nq, hq, d = q.shape
-    n, p, hk = dec._check_pages(q, k_pages, v_pages, block_tables, KVDtype.FP8)
-    dec._expect_shape("seq_lens", seq_lens, (b,))
-    if sinks is not None:
-        dec._expect_shape("sinks", sinks, (hq,))
-    scales = dec._check_scales(KVDtype.FP8, n, p, hk, d, dict(
-        k_scale=k_scale, v_scale=v_scale, k_global_scale=None, v_global_scale=None))
-    dec._check_options(scale, sliding_window, None)
-    out_dtype = dec._out_dtype(q, out_dtype)
     group = hq // hk
     reason = unsupported_reason(KVDtype.FP8, d, p, nq * group, None)
     if reason is not None:
