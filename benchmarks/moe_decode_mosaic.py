@@ -73,7 +73,7 @@ def _inputs(cfg, tokens: int, n: int = ROTATE):
     return xs
 
 
-def _steps(fmt: str, static: dict, tiles=None, k_splits=(1, 1)):
+def _steps(fmt: str, static: dict, tiles=None, k_splits="auto"):
     def triton(arrays, inp):
         x, ids, w = inp
         return moe_decode(x, ids, w, **arrays, **static)
@@ -109,7 +109,7 @@ def check(shapes, formats) -> list[dict]:
 
 
 def bench(shapes, formats, token_counts, stages, *, hbm: float, profile: bool = False,
-          k_splits=((1, 1),)) -> list[dict]:
+          k_splits=("auto",)) -> list[dict]:
     rows = []
     for shape in shapes:
         for fmt in formats:
@@ -124,8 +124,8 @@ def bench(shapes, formats, token_counts, stages, *, hbm: float, profile: bool = 
                 for s, splits in itertools.product(stages, k_splits):
                     tiles = (choose_slot_tile(cfg.hidden_size, s),
                              choose_slot_tile(cfg.intermediate_size, s))
-                    name = (f"mosaic_s{s}" + ("" if splits == (1, 1) else "_k" + (
-                        splits if isinstance(splits, str) else "x".join(map(str, splits)))))
+                    name = f"mosaic_s{s}" + ("" if splits == "auto" else
+                                             "_k" + "x".join(map(str, splits)))
                     variants[name] = _steps(fmt, static, tiles, splits)[1]
                 for name, fn in variants.items():
                     try:
@@ -166,9 +166,9 @@ def main() -> None:
                         choices=WEIGHT_FORMATS)
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64])
     parser.add_argument("--stages", nargs="+", type=int, default=[4])
-    parser.add_argument("--k-splits", nargs="+", type=_splits, default=[(1, 1)],
+    parser.add_argument("--k-splits", nargs="+", type=_splits, default=["auto"],
                         help="K splits of the Mosaic launches, each 'G,D' (gate_up, down) or "
-                             "'auto' (choose_k_splits), e.g. --k-splits 1,1 auto 2,2")
+                             "'auto' (choose_k_splits, the default), e.g. --k-splits auto 1,1 2,2")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--profile", action="store_true",
                         help="print each variant's kernels with their GPU time")

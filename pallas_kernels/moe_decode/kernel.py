@@ -238,12 +238,11 @@ def _pallas_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool) ->
     p = t * k
     slots = min(num_experts, p)
     flat = expert_ids.reshape(p).astype(jnp.int32)
-    out_shape = [jax.ShapeDtypeStruct((3, slots), jnp.int32),
-                 jax.ShapeDtypeStruct((p,), jnp.int32),
-                 jax.ShapeDtypeStruct((p,), jnp.int32)]
     work, token_of_row, row_of_pair = pl.pallas_call(
         functools.partial(_plan_kernel, p=p, k=k, num_experts=num_experts, slots=slots),
-        out_shape=out_shape,
+        out_shape=[jax.ShapeDtypeStruct((3, slots), jnp.int32),
+                   jax.ShapeDtypeStruct((p,), jnp.int32),
+                   jax.ShapeDtypeStruct((p,), jnp.int32)],
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="moe_decode_plan",

@@ -66,6 +66,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, vector
 
 from pallas_kernels._dequant import e8m0_step_to_f16, e8m0_to_f32
+from pallas_kernels._device import device_sm_count
 from pallas_kernels._mgpu import i32 as _i32
 from pallas_kernels._mgpu import load as _load
 from pallas_kernels._mgpu import thread_rows as _thread_rows
@@ -871,7 +872,7 @@ def moe_decode_mosaic_pairs(
         tile = (choose_slot_tile(hidden), choose_slot_tile(inter))
     if k_splits == "auto":
         items = min(e_all, expert_ids.size)
-        sms = getattr(jax.devices()[0], "core_count", None) or 132  # SMs (H200: 132)
+        sms = device_sm_count() or 132  # interpret mode: as on the H200
         k_splits = (choose_k_splits(items, two_i, hidden, tile[0], sms=sms),
                     choose_k_splits(items, hidden, inter, tile[1], sms=sms))
     elif not (isinstance(k_splits, tuple) and len(k_splits) == 2):
