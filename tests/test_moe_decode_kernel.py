@@ -446,7 +446,7 @@ PLAN_BUILDERS = {
 
 @pytest.mark.parametrize("builder", list(PLAN_BUILDERS))
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("t,k", [(1, 4), (7, 3), (33, 2)])
+@pytest.mark.parametrize("t,k", [(1, 4), (7, 3), (33, 2), (40, 5), (85, 6)])
 def test_plan_covers_every_routed_pair_once(pattern, t, k, builder):
     ids = routing(pattern, t, k)
     plan = jax.jit(PLAN_BUILDERS[builder], static_argnums=1)(ids, E)
@@ -477,13 +477,43 @@ def test_plan_covers_every_routed_pair_once(pattern, t, k, builder):
     np.testing.assert_array_equal(tok[pair_rows], np.arange(t * k) // k)
 
 
-@pytest.mark.parametrize("t,pallas", [(1, True), (16, True), (17, True), (4, False)])
+@pytest.mark.parametrize("t,pallas", [(1, True), (64, True), (65, True), (4, False)])
 def test_make_plan_takes_one_pallas_launch_up_to_its_bound(t, pallas):
-    k = 8  # 16 tokens: 128 pairs, the bound; 17: past it (XLA's pairwise plan)
+    k = 8  # 64 tokens: 512 pairs, the bound; 65: past it (XLA's pairwise plan)
     ids = jnp.zeros((t, k), jnp.int32)
     jaxpr = str(jax.make_jaxpr(functools.partial(make_plan, num_experts=E, pallas=pallas,
                                                  interpret=True))(ids))
     assert ("pallas_call" in jaxpr) == (pallas and t * k <= PALLAS_PLAN_MAX_PAIRS)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Triton plan launch")
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("t,k", [(1, 6), (8, 6), (33, 5), (85, 6)])
+def test_compiled_pallas_plan_on_gpu(pattern, t, k):
+    """The compiled plan launch (1, 1, 4 and 16 programs) gives XLA's plan and XLA's cut of
+    its work items."""
+    from pallas_kernels.moe_decode.mosaic import ROWS, work_items
+
+    ids = routing(pattern, t, k)
+    plan = jax.jit(functools.partial(make_plan, num_experts=E, pallas=True,
+                                     item_rows=ROWS))(ids)
+    dense = jax.jit(_dense_plan, static_argnums=1)(ids, E)
+    for name, a, b in zip(plan._fields[:4], plan, dense, strict=False):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    np.testing.assert_array_equal(plan.items, work_items(dense, E))
+
+
+@pytest.mark.parametrize("t", [1, 8, 64])
+def test_pallas_plan_lowers_to_triton_for_h200(t):
+    """The plan launch with its work items (one program at 8 and 64 pairs, 16 at 512), lowered
+    by Pallas' Triton backend for the H200 without a GPU."""
+    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
+    plan = functools.partial(make_plan, num_experts=128, pallas=True, item_rows=16)
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(plan).trace(_SD((t, 8), jnp.int32)).lower(
+            lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1
 
 
 def test_config_heuristic():

@@ -162,13 +162,18 @@ def test_fp4_rows_and_scales_far_apart(fmt):
 
 @pytest.mark.parametrize("pattern", ["random", "repeated", "one_expert", "zero_experts",
                                      "all_zero", "dup_in_token"])
-@pytest.mark.parametrize("t,k", [(1, 4), (8, 2), (33, 2), (64, 6)])
+@pytest.mark.parametrize("t,k", [(1, 4), (8, 2), (33, 2), (64, 6), (85, 6)])
 def test_work_items_cut_each_slot_into_chunks(pattern, t, k):
     """Items hold 1..16 rows of one expert, in order, covering every routed row once and no
-    other row; items past the last have 0 rows; the static bound W = U + cdiv(P, 16) holds."""
+    other row; items past the last are (E, routed rows, 0); the static bound W = U + cdiv(P,
+    16) holds. The Pallas plan launch cuts the same items as XLA's cut of the XLA plan."""
     ids = routing(pattern, t, k)
     plan = make_plan(ids, E)
-    items = np.asarray(work_items(plan))
+    assert plan.items is None
+    items = np.asarray(work_items(plan, E))
+    in_plan = make_plan(ids, E, pallas=True, interpret=True, item_rows=ROWS)
+    np.testing.assert_array_equal(in_plan.work, plan.work)
+    np.testing.assert_array_equal(work_items(in_plan, E), items)
     expert, first, rows = np.asarray(plan.work)
     p = t * k
     chex.assert_shape(items, (3, min(E, p) + -(-p // ROWS)))
@@ -176,6 +181,8 @@ def test_work_items_cut_each_slot_into_chunks(pattern, t, k):
     live = icount > 0
     assert (icount <= ROWS).all() and (icount >= 0).all()
     assert not live[live.sum():].any(), "unused items last"
+    np.testing.assert_array_equal(ie[~live], E)
+    np.testing.assert_array_equal(istart[~live], rows.sum())
     covered = np.zeros(p, np.int32)
     for e, r0, n in zip(ie[live], istart[live], icount[live], strict=True):
         covered[r0:r0 + n] += 1

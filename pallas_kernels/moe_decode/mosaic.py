@@ -45,9 +45,11 @@ times ``2^6`` and the global scale at the end. The scales come from global memor
 8/16/32-bit load a row and step, a step ahead. The codes keep the checkpoint's layout.
 Interpret mode builds the same operands with jnp (``_fp4_operands_jnp``).
 
-The full decode step (``moe_decode_mosaic_pairs``): plan -> work items -> x rows gathered in
-sorted order and scaled (XLA) -> gate_up launch -> activation, h rows scaled (XLA) -> down
-launch -> each pair's row picked, as ``kernel.moe_decode_pairs``.
+The full decode step (``moe_decode_mosaic_pairs``), five launches up to 512 pairs: the plan
+with its work items (one Pallas launch, ``kernel.make_plan(item_rows=ROWS)``) -> x's f16 rows
+in sorted order (``rows.x_rows``) -> gate_up -> the activation and h's f16 rows
+(``rows.h_rows``) -> down; each pair's row is picked by the caller's combine
+(``kernel.pairs_of``, fused by XLA). BF16 weights take bf16 rows gathered by XLA.
 """
 
 from __future__ import annotations
@@ -82,9 +84,10 @@ from pallas_kernels.moe_decode.kernel import (
     ExtraExperts,
     _epilogue,
     make_plan,
+    num_items,
     pairs_of,
 )
-from pallas_kernels.paged_attention.decode import _pow2_row_scales
+from pallas_kernels.moe_decode.rows import h_rows, x_rows
 
 ROWS = 16  # rows of one work item
 WINDOW = ROWS + 8  # activation rows a program reads (the wgmma's N): from an 8-aligned row
@@ -631,7 +634,7 @@ def unsupported_reason(fmt: str, w_dtype, n: int, k: int, *,
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "fp8_block", "tile", "k_splits",
-                                             "interpret"))
+                                             "sum_splits", "interpret"))
 def slot_matmul(
     work: jax.Array,  # [3, W] int32: expert (>= E: unused), first sorted row, row count <= 16
     a: jax.Array,  # [R, K] (activation_dtype), sorted rows; R >= window_rows(P) for items
@@ -647,13 +650,15 @@ def slot_matmul(
     fp8_block: tuple[int, int] | None = None,
     tile: SlotTile = SlotTile(),
     k_splits: int = 1,
+    sum_splits: bool = True,
     interpret: bool = False,
 ) -> jax.Array:
     """``out [R, N]`` f32 in sorted-row order, row for row with ``a`` (see the module
     docstring; rows no item owns are not written). Items own rows below ``P`` where ``R >=
     window_rows(P)`` (every item's window inside ``a``: the caller's contract, data-dependent).
     ``k_splits`` > 1 splits K over that many programs per (item, 64 weight rows), each with its own
-    output rows, summed here (more programs for few tokens); it must divide ``K / block_k``.
+    output rows, summed here (more programs for few tokens; ``sum_splits=False``: returned
+    stacked, ``[k_splits * R, N]``); it must divide ``K / block_k``.
     ``interpret=True`` runs the Mosaic GPU interpreter (CPU tests)."""
     if a.ndim != 2 or w.ndim != 3:
         raise ValueError(f"a, w: expected ranks 2 and 3, got shapes {a.shape}, {w.shape}")
@@ -732,7 +737,9 @@ def slot_matmul(
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     out = kernel(work, a, *operands)
-    return out if k_splits == 1 else out.reshape(k_splits, rows_a, n).sum(axis=0)
+    if k_splits == 1 or not sum_splits:
+        return out
+    return out.reshape(k_splits, rows_a, n).sum(axis=0)
 
 
 def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, fmt: str | None = None,
@@ -759,30 +766,28 @@ def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, fmt: str
 # ---------------------------------------------------------------------------------------------
 
 
-def work_items(plan: DecodePlan) -> jax.Array:
+def work_items(plan: DecodePlan, num_experts: int) -> jax.Array:
     """``[3, W]`` int32 (expert, first sorted row, row count): the decode plan's slots cut into
-    items of at most ``ROWS`` rows, on device; items past the last have 0 rows (their expert
-    is an idle slot's). ``W = U + cdiv(P, ROWS)`` bounds ``sum(cdiv(rows_u, ROWS))``. XLA
+    items of at most ``ROWS`` rows, on device; items past the last are ``(num_experts, routed
+    rows, 0)``. ``W = U + cdiv(P, ROWS)`` bounds ``sum(cdiv(rows_u, ROWS))``. The plan's own
+    ``items`` where the Pallas plan launch cut them (``make_plan(item_rows=ROWS)``), else XLA
     (a cumsum)."""
+    if plan.items is not None:
+        return plan.items
     expert, first, rows = plan.work  # [U]
     u_slots = expert.shape[0]
-    items = u_slots + pl.cdiv(plan.token_of_row.shape[0], ROWS)
+    items = num_items(u_slots, plan.token_of_row.shape[0], ROWS)
     chunks = lax.div(rows + ROWS - 1, ROWS)  # [U]
     ends = jnp.cumsum(chunks)  # [U] inclusive
     w = jnp.arange(items, dtype=jnp.int32)
     slot = jnp.sum((ends[None, :] <= w[:, None]).astype(jnp.int32), axis=1)  # [W]
     slot_c = jnp.minimum(slot, u_slots - 1)
     c = w - (ends[slot_c] - chunks[slot_c])  # chunk within its slot
-    count = jnp.where(slot < u_slots, jnp.clip(rows[slot_c] - c * ROWS, 0, ROWS), 0)
-    return jnp.stack([expert[slot_c], first[slot_c] + c * ROWS, count]).astype(jnp.int32)
-
-
-def _scaled_rows(v):
-    """Rows ``[R, K]`` -> (f16 rows scaled by powers of two into ``[2^10, 2^11)``, the f32
-    factor ``[R, 1]`` that undoes it)."""
-    amax = jnp.max(jnp.abs(v.astype(jnp.float32)), axis=-1)
-    up, down = _pow2_row_scales(amax)
-    return (v.astype(jnp.float32) * up[:, None]).astype(jnp.float16), down[:, None]
+    used = slot < u_slots
+    count = jnp.where(used, jnp.clip(rows[slot_c] - c * ROWS, 0, ROWS), 0)
+    return jnp.stack([jnp.where(used, expert[slot_c], num_experts),
+                      jnp.where(used, first[slot_c] + c * ROWS, jnp.sum(rows)),
+                      count]).astype(jnp.int32)
 
 
 _MOSAIC_STATIC = ("fmt", "activation", "gate_up_layout", "limit", "alpha", "block_size", "tile",
@@ -864,10 +869,11 @@ def moe_decode_mosaic_pairs(
         if extra.gate_up_bias is not None or extra.down_bias is not None:
             raise ValueError("extra: biases are not supported")
         e_all += extra.gate_up.shape[0]
-    plan = make_plan(expert_ids, e_all, pallas=not interpret, interpret=interpret)
+    plan = make_plan(expert_ids, e_all, pallas=not interpret, interpret=interpret,
+                     item_rows=ROWS)
     p = plan.token_of_row.shape[0]
     rows = window_rows(p)  # sorted rows, then rows no item owns (inside the last windows)
-    work = work_items(plan)
+    work = work_items(plan, e_all)
     if tile is None:
         tile = (choose_slot_tile(hidden), choose_slot_tile(inter))
     if k_splits == "auto":
@@ -879,40 +885,56 @@ def moe_decode_mosaic_pairs(
         raise ValueError(f"k_splits: expected (gate_up, down) ints or 'auto', got {k_splits!r}")
 
     def launch(a, w, scale, global_scale, extra_stack, tile, splits):
-        """``a [R, K]`` (sorted rows) through one launch: ``[R, N]`` f32 (rows past the items'
-        hold garbage: they only meet other garbage rows)."""
-        if fmt == "bf16":
-            a, unscale = a.astype(jnp.bfloat16), None
-        else:
-            a, unscale = _scaled_rows(a)  # f16 rows, [R, 1]
-            if packed == 2:
-                a = permute_fp4_activations(a, tile)
-        out = slot_matmul(work, a, w, scale, extra_stack, global_scale, fmt=fmt,
-                          fp8_block=fp8_block, tile=tile, k_splits=splits,
-                          interpret=interpret)
-        return out if unscale is None else out * unscale
+        """``a [R, K]`` (sorted rows) through one launch: ``[splits * R, N]`` f32, the K-split
+        partials stacked (rows past the items' hold garbage: they only meet other garbage
+        rows)."""
+        return slot_matmul(work, a, w, scale, extra_stack, global_scale, fmt=fmt,
+                           fp8_block=fp8_block, tile=tile, k_splits=splits, sum_splits=False,
+                           interpret=interpret)
 
-    token = jnp.pad(plan.token_of_row, (0, rows - p))  # [R] (extra rows: token 0)
-    expert_of_row = plan.work[0][_slot_of_row(plan, rows)]  # [R] (unowned rows: any)
+    def order(t):  # FP4: the activations in the operand column order of t's K steps
+        return t.block_k if packed == 2 else None
+
+    bias_rows = None
+    if gate_up_bias is not None or down_bias is not None:
+        expert_of_row = plan.work[0][_slot_of_row(plan, rows)]  # [R] (unowned rows: any)
+
+        def bias_rows(b):
+            return jnp.take(b.astype(jnp.float32), expert_of_row, axis=0, mode="clip")
+
     xs = None if extra is None else (extra.gate_up, extra.gate_up_scale,
                                      extra.gate_up_global_scale)
-    gu = launch(x[token], gate_up, gate_up_scale, gate_up_global_scale, xs, tile[0],
-                k_splits[0])  # [R, 2I]
-    if gate_up_bias is not None:
-        gu = gu + jnp.take(gate_up_bias.astype(jnp.float32), expert_of_row, axis=0,
-                           mode="clip")
-    if layout is GateUpLayout.INTERLEAVED:
-        gate, up = gu[:, 0::2], gu[:, 1::2]
-    else:
-        gate, up = gu[:, :inter], gu[:, inter:]
-    # h as the Triton path stores it (bf16); the barrier keeps the rounding under XLA's GPU
-    # excess-precision rule (grouped_matmul.reference.rounded)
-    h = rounded(_epilogue(gate, up, activation, limit, alpha), jnp.bfloat16)  # [R, I]
+    gu_bias = None if gate_up_bias is None else bias_rows(gate_up_bias)
+    if fmt == "bf16":  # bf16 rows, the glue in XLA
+        token = jnp.pad(plan.token_of_row, (0, rows - p))  # [R] (extra rows: token 0)
+        gu = launch(x[token], gate_up, gate_up_scale, gate_up_global_scale, xs, tile[0],
+                    k_splits[0]).reshape(k_splits[0], rows, two_i).sum(axis=0)
+        if gu_bias is not None:
+            gu = gu + gu_bias
+        if layout is GateUpLayout.INTERLEAVED:
+            gate, up = gu[:, 0::2], gu[:, 1::2]
+        else:
+            gate, up = gu[:, :inter], gu[:, inter:]
+        # h as the Triton path stores it (bf16); the barrier keeps the rounding under XLA's
+        # GPU excess-precision rule (grouped_matmul.reference.rounded)
+        h = rounded(_epilogue(gate, up, activation, limit, alpha), jnp.bfloat16)  # [R, I]
+        h, factor = h.astype(jnp.bfloat16), None
+    else:  # f16 rows scaled per row (rows.py: one launch each)
+        a, factor = x_rows(x, plan.token_of_row, rows, block_k=order(tile[0]),
+                           interpret=interpret)
+        gu = launch(a, gate_up, gate_up_scale, gate_up_global_scale, xs, tile[0],
+                    k_splits[0])  # [S * R, 2I]
+        h, factor = h_rows(gu, factor, splits=k_splits[0], bias_rows=gu_bias,
+                           activation=activation, layout=layout, limit=limit, alpha=alpha,
+                           block_k=order(tile[1]), interpret=interpret)
     xs = None if extra is None else (extra.down, extra.down_scale, extra.down_global_scale)
-    y = launch(h, down, down_scale, down_global_scale, xs, tile[1], k_splits[1])  # [R, H]
-    if down_bias is not None:
-        y = y + jnp.take(down_bias.astype(jnp.float32), expert_of_row, axis=0, mode="clip")
-    return pairs_of(y[None], plan)
+    y = launch(h, down, down_scale, down_global_scale, xs, tile[1],
+               k_splits[1]).reshape(k_splits[1], rows, hidden)  # [S, R, H]
+    if factor is not None:
+        y = y * factor[None, :, None]
+    if down_bias is not None:  # once, on the first split's rows
+        y = y.at[0].add(bias_rows(down_bias))
+    return pairs_of(y, plan)
 
 
 def _slot_of_row(plan: DecodePlan, rows: int) -> jax.Array:

@@ -1,0 +1,143 @@
+"""The Mosaic GPU decode kernels' f16 activation rows, one Pallas launch each (Triton lowering).
+
+``mosaic.slot_matmul`` takes the rows of its activations in sorted-row order, in f16, each row
+scaled by a power of two into f16 range (``_pow2_row_scales``: exact for bf16 inputs), FP4
+launches also in the operand column order (``mosaic.fp4_operand_order``). Two launches make
+them, one program a row, where XLA took two and three small fusions (a row amax is a
+reduction, the scaled copy its consumer; each a launch of ~1-1.5 us on the H200):
+
+- ``x_rows``: row r is token ``token_of_row[r]``'s row of x (rows past the P pairs: token 0's).
+- ``h_rows``: row r of the gate_up launch's output (its K-split partials summed, times the row's
+  factor back), the biases added, ``act(gate) * up`` rounded to bf16 (as the Triton path
+  stores h), then scaled like x.
+
+Each returns ``(rows [R, K] f16, factor [R] f32)``: ``rows * factor`` is the row as computed.
+A program loads its row in the order it stores it (the operand order for FP4: a gather from
+L2), so no permutation happens in registers. ``rows_reference`` states both in jnp.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout
+from pallas_kernels.grouped_matmul.reference import GPT_OSS_ALPHA
+from pallas_kernels.moe_decode.kernel import _epilogue
+from pallas_kernels.paged_attention.decode import _pow2_row_scales
+
+
+def operand_source(pos, block_k: int):
+    """K column each position of a row feeds in the FP4 operand order (``pos``: int32 array of
+    positions in ``[0, K)``, K a multiple of ``block_k``): within a step, position ``16 (2w +
+    hh) + 8j + 2c + q`` takes column ``c block_k / 4 + 8w + 4j + 2q + hh``
+    (``mosaic._to_operand_order``). Integer ops, so a kernel can compute it."""
+    step, q = pos // block_k * block_k, pos % block_k
+    o, within = q // 16, q % 16
+    w, hh = o // 2, o % 2
+    j, c, qq = within // 8, within % 8 // 2, within % 2
+    return step + c * (block_k // 4) + 8 * w + 4 * j + 2 * qq + hh
+
+
+def _columns(k: int, block_k: int | None):
+    """(position, source column, in range) of a row of ``k`` padded to a power of two."""
+    pos = jnp.arange(pl.next_power_of_2(k), dtype=jnp.int32)
+    valid = pos < k
+    src = pos if block_k is None else operand_source(pos, block_k)
+    return pos, jnp.where(valid, src, 0), valid
+
+
+def _store_scaled(rows_ref, factor_ref, r, v, pos, valid):
+    """Row ``r`` of f32 values ``v`` (0 off the row) as f16 scaled by a power of two."""
+    up, down = _pow2_row_scales(jnp.max(jnp.abs(v))[None])
+    plgpu.store(rows_ref.at[r, pos], (v * up).astype(jnp.float16), mask=valid)
+    plgpu.store(factor_ref.at[pl.ds(r, 1)], down)
+
+
+def _x_rows_kernel(token_ref, x_ref, rows_ref, factor_ref, *, p: int, block_k: int | None):
+    r = pl.program_id(0)
+    token = jnp.where(r < p, token_ref[jnp.minimum(r, p - 1)], 0)
+    pos, src, valid = _columns(x_ref.shape[1], block_k)
+    v = plgpu.load(x_ref.at[token, src], mask=valid, other=0.0).astype(jnp.float32)
+    _store_scaled(rows_ref, factor_ref, r, v, pos, valid)
+
+
+def _h_rows_kernel(gu_ref, factor_in_ref, *refs, rows: int, splits: int, layout: GateUpLayout,
+                   activation: Activation, limit: float | None, alpha: float,
+                   block_k: int | None, bias: bool):
+    bias_ref = refs[0] if bias else None
+    rows_ref, factor_ref = refs[-2:]
+    r = pl.program_id(0)
+    inter = rows_ref.shape[1]
+    pos, src, valid = _columns(inter, block_k)
+    interleaved = layout is GateUpLayout.INTERLEAVED
+    cols = (2 * src, 2 * src + 1) if interleaved else (src, src + inter)
+    factor = factor_in_ref[r]
+
+    def part(c):  # the gate or up columns of row r, split partials summed, factor applied
+        v = plgpu.load(gu_ref.at[r, c], mask=valid, other=0.0)
+        for s in range(1, splits):
+            v = v + plgpu.load(gu_ref.at[s * rows + r, c], mask=valid, other=0.0)
+        v = v * factor
+        if bias_ref is not None:
+            v = v + plgpu.load(bias_ref.at[r, c], mask=valid, other=0.0).astype(jnp.float32)
+        return v
+
+    h = _epilogue(part(cols[0]), part(cols[1]), activation, limit, alpha)
+    h = jnp.where(valid, h.astype(jnp.bfloat16).astype(jnp.float32), 0.0)
+    _store_scaled(rows_ref, factor_ref, r, h, pos, valid)
+
+
+def _launch(kernel, rows: int, k: int, args, interpret: bool, name: str):
+    return pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct((rows, k), jnp.float16),
+                   jax.ShapeDtypeStruct((rows,), jnp.float32)],
+        grid=(rows,),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name=name,
+    )(*args)
+
+
+def x_rows(x: jax.Array, token_of_row: jax.Array, rows: int, *, block_k: int | None = None,
+           interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """``x [T, H]`` -> (``rows`` f16 rows in sorted order, their factors): row r is token
+    ``token_of_row[r]``'s (past ``len(token_of_row)``: token 0's); ``block_k``: FP4 operand
+    order for K steps of that length."""
+    p = token_of_row.shape[0]
+    kernel = functools.partial(_x_rows_kernel, p=p, block_k=block_k)
+    return _launch(kernel, rows, x.shape[1], (token_of_row.astype(jnp.int32), x), interpret,
+                   "moe_decode_x_rows")
+
+
+def h_rows(gu: jax.Array, factor: jax.Array, *, splits: int = 1,
+           bias_rows: jax.Array | None = None,
+           activation: Activation = Activation.SILU,
+           layout: GateUpLayout = GateUpLayout.CONCATENATED, limit: float | None = None,
+           alpha: float = GPT_OSS_ALPHA, block_k: int | None = None,
+           interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The gate_up launch's output ``gu [splits * R, 2I]`` f32 (K-split partials stacked),
+    ``factor [R]`` (x's row factors) and ``bias_rows [R, 2I]`` (each row's expert's gate_up
+    bias) -> (h f16 rows ``[R, I]``, their factors)."""
+    rows = factor.shape[0]
+    inter = gu.shape[1] // 2
+    kernel = functools.partial(
+        _h_rows_kernel, rows=rows, splits=splits, layout=layout, activation=activation,
+        limit=limit, alpha=alpha, block_k=block_k, bias=bias_rows is not None)
+    args = (gu, factor) + (() if bias_rows is None else (bias_rows,))
+    return _launch(kernel, rows, inter, args, interpret, "moe_decode_h_rows")
+
+
+def rows_reference(v: jax.Array, block_k: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Plain jnp: f32 rows ``v [R, K]`` -> (f16 rows scaled per row, factors), in the FP4
+    operand order for ``block_k``."""
+    up, down = _pow2_row_scales(jnp.max(jnp.abs(v), axis=1))
+    if block_k is not None:
+        v = v[:, operand_source(np.arange(v.shape[1]), block_k)]
+    return (v * up[:, None]).astype(jnp.float16), down

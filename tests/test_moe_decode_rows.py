@@ -1,0 +1,110 @@
+"""The Mosaic decode path's f16 activation-row launches (``pallas_kernels.moe_decode.rows``) in
+the Triton interpreter against jnp, and their sm_90 lowering."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import mesh as mesh_lib
+
+from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout
+from pallas_kernels.grouped_matmul.reference import GPT_OSS_ALPHA
+from pallas_kernels.moe_decode.kernel import _epilogue
+from pallas_kernels.moe_decode.mosaic import fp4_operand_order
+from pallas_kernels.moe_decode.rows import h_rows, operand_source, rows_reference, x_rows
+
+
+def spread_rows(key, rows: int, cols: int) -> jax.Array:
+    """Random rows whose scales span 1e-3 .. 1e3 (so the per-row factors differ)."""
+    k1, k2 = jax.random.split(key)
+    scale = 10.0 ** jax.random.uniform(k1, (rows, 1), minval=-3, maxval=3)
+    return jax.random.normal(k2, (rows, cols)) * scale
+
+
+@pytest.mark.parametrize("block_k", [64, 128])
+def test_operand_source_is_the_fp4_operand_order(block_k):
+    src = operand_source(np.arange(3 * block_k), block_k)
+    for step in range(3):
+        np.testing.assert_array_equal(src[step * block_k:(step + 1) * block_k],
+                                      step * block_k + fp4_operand_order(block_k))
+
+
+@pytest.mark.parametrize("block_k", [None, 64, 128])
+@pytest.mark.parametrize("p,h", [(1, 256), (8, 384), (21, 640)])
+def test_x_rows(block_k, p, h):
+    """Row r: token token_of_row[r]'s row (rows past P: token 0's), f16 times the factor equal
+    to the bf16 row; the FP4 operand order where asked. H not a power of two."""
+    t = 5
+    x = spread_rows(jax.random.key(p), t, h).astype(jnp.bfloat16)
+    token = jax.random.randint(jax.random.key(h), (p,), 0, t, jnp.int32)
+    rows = p + 16
+    a, factor = x_rows(x, token, rows, block_k=block_k, interpret=True)
+    full = jnp.concatenate([token, jnp.zeros(rows - p, jnp.int32)])
+    want_a, want_f = rows_reference(x[full].astype(jnp.float32), block_k)
+    np.testing.assert_array_equal(a, want_a)
+    np.testing.assert_array_equal(factor, want_f)
+    back = a.astype(jnp.float32) * factor[:, None]
+    if block_k is not None:
+        back = back[:, np.argsort(operand_source(np.arange(h), block_k))]
+    np.testing.assert_array_equal(back, x[full].astype(jnp.float32))  # exact for bf16 rows
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("layout,activation,limit,bias,block_k", [
+    (GateUpLayout.CONCATENATED, Activation.SILU, None, False, None),
+    (GateUpLayout.CONCATENATED, Activation.SILU, 0.5, False, 128),  # DeepSeek-V4 clamp
+    (GateUpLayout.INTERLEAVED, Activation.GPT_OSS, 7.0, True, 64),  # gpt-oss
+])
+def test_h_rows(splits, layout, activation, limit, bias, block_k):
+    """h row r: the partials of row r summed, times x's factor, the bias added, ``act(gate) *
+    up`` rounded to bf16, then scaled like x (and ordered for FP4)."""
+    rows, inter = 24, 384  # not a power of two
+    gu = spread_rows(jax.random.key(splits), splits * rows, 2 * inter)
+    factor = 2.0 ** jax.random.randint(jax.random.key(1), (rows,), -20, 5).astype(jnp.float32)
+    bias_rows = jax.random.normal(jax.random.key(2), (rows, 2 * inter)) if bias else None
+    h, h_factor = h_rows(gu, factor, splits=splits, bias_rows=bias_rows, activation=activation,
+                         layout=layout, limit=limit, block_k=block_k, interpret=True)
+    total = gu[:rows]
+    for s in range(1, splits):
+        total = total + gu[s * rows:(s + 1) * rows]
+    total = total * factor[:, None]
+    if bias:
+        total = total + bias_rows
+    if layout is GateUpLayout.INTERLEAVED:
+        gate, up = total[:, 0::2], total[:, 1::2]
+    else:
+        gate, up = total[:, :inter], total[:, inter:]
+    want = _epilogue(gate, up, activation, limit, GPT_OSS_ALPHA)
+    want = want.astype(jnp.bfloat16).astype(jnp.float32)
+    want_h, want_f = rows_reference(want, block_k)
+    np.testing.assert_array_equal(h_factor, want_f)
+    np.testing.assert_allclose(h.astype(jnp.float32), want_h.astype(jnp.float32), rtol=8e-3,
+                               atol=0)  # one bf16 ulp where the activation's last bit differs
+    assert np.mean(np.asarray(h) == np.asarray(want_h)) > 0.99
+
+
+@pytest.mark.parametrize("fp4", [False, True])
+def test_rows_lower_to_triton_for_h200(fp4):
+    """Both launches lowered by Pallas' Triton backend for the H200 without a GPU (Qwen3 and
+    gpt-oss widths: H 2048 / 2880, I 768 / 2880)."""
+    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
+    sd = jax.ShapeDtypeStruct
+    for h, inter, layout in ((2048, 768, GateUpLayout.CONCATENATED),
+                             (2880, 2880, GateUpLayout.INTERLEAVED)):
+        bk = (128 if h % 128 == 0 else 64) if fp4 else None
+
+        def f(x, token, gu, bias, h=h, inter=inter, layout=layout, bk=bk):
+            a, factor = x_rows(x, token, 88, block_k=bk)
+            return a, h_rows(gu, factor, splits=2, bias_rows=bias, layout=layout,
+                             activation=Activation.GPT_OSS, limit=7.0, block_k=bk)
+
+        with jax.sharding.use_abstract_mesh(mesh):
+            lowered = jax.jit(functools.partial(f)).trace(
+                sd((8, h), jnp.bfloat16), sd((64,), jnp.int32), sd((176, 2 * inter), jnp.float32),
+                sd((88, 2 * inter), jnp.float32)).lower(lowering_platforms=("cuda",))
+        assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2
