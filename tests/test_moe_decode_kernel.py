@@ -446,7 +446,7 @@ PLAN_BUILDERS = {
 
 @pytest.mark.parametrize("builder", list(PLAN_BUILDERS))
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("t,k", [(1, 4), (7, 3), (33, 2), (40, 5), (85, 6)])
+@pytest.mark.parametrize("t,k", [(1, 4), (7, 3), (33, 2), (21, 6)])
 def test_plan_covers_every_routed_pair_once(pattern, t, k, builder):
     ids = routing(pattern, t, k)
     plan = jax.jit(PLAN_BUILDERS[builder], static_argnums=1)(ids, E)
@@ -477,9 +477,9 @@ def test_plan_covers_every_routed_pair_once(pattern, t, k, builder):
     np.testing.assert_array_equal(tok[pair_rows], np.arange(t * k) // k)
 
 
-@pytest.mark.parametrize("t,pallas", [(1, True), (64, True), (65, True), (4, False)])
+@pytest.mark.parametrize("t,pallas", [(1, True), (16, True), (17, True), (4, False)])
 def test_make_plan_takes_one_pallas_launch_up_to_its_bound(t, pallas):
-    k = 8  # 64 tokens: 512 pairs, the bound; 65: past it (XLA's pairwise plan)
+    k = 8  # 16 tokens: 128 pairs, the bound; 17: past it (XLA's pairwise plan)
     ids = jnp.zeros((t, k), jnp.int32)
     jaxpr = str(jax.make_jaxpr(functools.partial(make_plan, num_experts=E, pallas=pallas,
                                                  interpret=True))(ids))
@@ -488,10 +488,10 @@ def test_make_plan_takes_one_pallas_launch_up_to_its_bound(t, pallas):
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Triton plan launch")
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("t,k", [(1, 6), (8, 6), (33, 5), (85, 6)])
+@pytest.mark.parametrize("t,k", [(1, 6), (8, 6), (21, 6)])
 def test_compiled_pallas_plan_on_gpu(pattern, t, k):
-    """The compiled plan launch (1, 1, 4 and 16 programs) gives XLA's plan and XLA's cut of
-    its work items."""
+    """The compiled plan launch (8, 48 and 126 pairs) gives XLA's plan and XLA's cut of its
+    work items."""
     from pallas_kernels.moe_decode.mosaic import ROWS, work_items
 
     ids = routing(pattern, t, k)
@@ -503,10 +503,10 @@ def test_compiled_pallas_plan_on_gpu(pattern, t, k):
     np.testing.assert_array_equal(plan.items, work_items(dense, E))
 
 
-@pytest.mark.parametrize("t", [1, 8, 64])
+@pytest.mark.parametrize("t", [1, 8, 16])
 def test_pallas_plan_lowers_to_triton_for_h200(t):
-    """The plan launch with its work items (one program at 8 and 64 pairs, 16 at 512), lowered
-    by Pallas' Triton backend for the H200 without a GPU."""
+    """The plan launch with its work items (8, 64 and 128 pairs), lowered by Pallas' Triton
+    backend for the H200 without a GPU."""
     dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
     plan = functools.partial(make_plan, num_experts=128, pallas=True, item_rows=16)

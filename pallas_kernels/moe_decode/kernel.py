@@ -12,10 +12,10 @@ the expert id, its first sorted row and its row count; slots past the number of 
 experts have 0 rows (their programs exit at once). ``token_of_row [P]`` maps a sorted row to its
 token, ``row_of_pair [T, k]`` a pair to its sorted row. The decode entries build it from
 pairwise comparisons of the pair ids (no sort): for up to ``PALLAS_PLAN_MAX_PAIRS`` pairs in
-one Pallas launch (each program the entries of a block of pairs, by scatter stores; XLA's form
-of the same algebra takes six to ten small fusions), which can also cut the slots into the
-Mosaic GPU kernels' work items (``item_rows``), up to ``DENSE_PLAN_MAX_PAIRS`` in XLA, and
-beyond that by a sort.
+one Pallas program (one launch, the entries written by scatter stores; XLA's form of the same
+algebra takes six or seven small fusions), which can also cut the slots into the Mosaic GPU
+kernels' work items (``item_rows``), up to ``DENSE_PLAN_MAX_PAIRS`` in XLA, and beyond that by
+a sort.
 
 Kernel 1 (gate_up), grid ``(U, cdiv(I, block_n))``: the program of slot u gathers its rows of
 ``x`` through ``token_of_row`` (``block_m`` = 16 at a time: one chunk for up to 16 pairs, the
@@ -140,9 +140,12 @@ class DecodePlan(NamedTuple):
 # Up to this many pairs the plan is built from pairwise comparisons (three small reductions, no
 # sort, scan or scatter: fewer XLA launches for the few-token steps); above it, by a sort.
 DENSE_PLAN_MAX_PAIRS = 1024
-# Up to this many pairs the pairwise plan runs as one Pallas launch (``pallas=True``) in place
-# of XLA's six to ten small fusions (~7 us of a 1-token step, ~15 us at 64 tokens on the H200).
-PALLAS_PLAN_MAX_PAIRS = 512
+# Up to this many pairs the pairwise plan runs as one Pallas program (``pallas=True``): one
+# launch in place of XLA's six or seven small fusions (~7 us of a 1-token step on the H200).
+# Its [n, n] comparisons grow with the pairs squared: a 16-program version (each program the
+# entries of 32 pairs, the counts over all 512) took 74 us at 64 tokens x 8, against ~15 us
+# for XLA's ten fusions (H200, session 12).
+PALLAS_PLAN_MAX_PAIRS = 128
 
 
 def make_plan(expert_ids: jax.Array, num_experts: int, *, pallas: bool = False,
@@ -222,88 +225,56 @@ def _dense_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
 
 
 def _plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *items_ref, p: int,
-                 k: int, num_experts: int, slots: int, block: int, item_rows: int | None):
-    """Program i: the plan entries of pairs ``[i * block, (i + 1) * block)`` (the ``p`` pair
-    ids padded to ``n``, a power of two), from ``_pairwise_plan``'s comparisons, written by
-    scatter stores: each pair its sorted row and that row's token, each slot's first pair its
-    work entry (and, ``item_rows``, its work items); program 0 also the idle slots (items)."""
+                 k: int, num_experts: int, slots: int, item_rows: int | None):
+    """One program: ``_pairwise_plan``'s comparisons on the ``p`` pair ids (padded to a power
+    of two), its entries written by scatter stores: each pair its sorted row and that row's
+    token, each expert's first pair the expert's work entry (and, ``item_rows``, its work
+    items); then the idle slots (items)."""
     n = max(16, pl.next_power_of_2(p))
     num_experts = jnp.int32(num_experts)
-
-    def keys(i):  # padding: a zero expert's key (sorts after the real pairs, not routed)
-        return _plan_keys(plgpu.load(ids_ref.at[i], mask=i < p, other=num_experts),
-                          num_experts)
-
-    # every pair q: the pairs of its key (count) and those before it (none: q leads its key),
-    # over the others in chunks of 64 (a [n, 64] tile a step)
     idx = jnp.arange(n, dtype=jnp.int32)
-    key, routed = keys(idx)
-    chunk = min(n, 64)
-
-    def over(c, carry):
-        count, before = carry
-        j = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        same = key[:, None] == keys(j)[0][None, :]  # [n, chunk]
-        return (count + _count(same, axis=1),
-                before + _count(same & (j[None, :] < idx[:, None]), axis=1))
-
-    zero = jnp.zeros((n,), jnp.int32)
-    count, before = jax.lax.fori_loop(0, n // chunk, over, (zero, zero))
-    lead = routed & (before == 0)  # [n] the first pair of each distinct real expert
-    num_routed = _count(routed)
-    num_distinct = _count(lead)
-    # this program's pairs b against every pair q ([block, n])
-    b = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)
-    key_b, routed_b = keys(b)
-    less = key[None, :] < key_b[:, None]
-    same = key[None, :] == key_b[:, None]
-    before_b = _count(same & (idx[None, :] < b[:, None]), axis=1)
-    row_b = _count(less, axis=1) + before_b  # stable sorted row
-    count_b = _count(same, axis=1)
-    valid = b < p
-    lead_b = valid & routed_b & (before_b == 0)
+    valid = idx < p
+    # padding: id num_experts, a zero expert's key (sorts after the real pairs, not routed)
+    key, routed = _plan_keys(plgpu.load(ids_ref.at[idx], mask=valid, other=num_experts),
+                             num_experts)
+    less = key[None, :] < key[:, None]  # [n, n]: pair q (column) sorts below pair p (row)
+    same = key[None, :] == key[:, None]
+    before = _count(same & (idx[None, :] < idx[:, None]), axis=1)
+    row = _count(less, axis=1) + before  # stable sorted row
+    count = _count(same, axis=1)  # pairs of this pair's expert
+    lead = routed & (before == 0)  # the first pair of each distinct real expert
     lead_less = less & lead[None, :]
-    slot_b = _count(lead_less, axis=1)  # distinct real experts below this pair's
+    slot = _count(lead_less, axis=1)  # distinct real experts below this pair's
+    num_routed = _count(routed)
     # masked-off lanes of a scatter point past the end: in interpret mode a masked store
     # writes the old value back, which must not land on another lane's entry
-    plgpu.store(row_of_pair_ref.at[b], row_b, mask=valid)
-    plgpu.store(token_of_row_ref.at[jnp.where(valid, row_b, p)], jax.lax.div(b, jnp.int32(k)),
+    plgpu.store(row_of_pair_ref.at[idx], row, mask=valid)
+    plgpu.store(token_of_row_ref.at[jnp.where(valid, row, p)], jax.lax.div(idx, jnp.int32(k)),
                 mask=valid)
-    first_program = pl.program_id(0) == 0
 
     def entries(ref, at, values, mask):
         at = jnp.where(mask, at, jnp.int32(ref.shape[1]))
         for i, v in enumerate(values):
             plgpu.store(ref.at[jnp.int32(i), at], v, mask=mask)
 
-    entries(work_ref, slot_b, (key_b, row_b, count_b), lead_b)
-    u = jnp.arange(max(16, pl.next_power_of_2(slots)), dtype=jnp.int32)
-    idle = jnp.full(u.shape, num_experts, jnp.int32)
-    entries(work_ref, u, (idle, jnp.broadcast_to(num_routed, u.shape), jnp.zeros_like(u)),
-            first_program & (u >= num_distinct) & (u < slots))
+    def idle(ref, used):  # a ref's entries from ``used`` on: (num_experts, routed rows, 0)
+        at = jnp.arange(max(16, pl.next_power_of_2(ref.shape[1])), dtype=jnp.int32)
+        entries(ref, at, (jnp.full(at.shape, num_experts, jnp.int32),
+                          jnp.broadcast_to(num_routed, at.shape), jnp.zeros_like(at)),
+                (at >= used) & (at < ref.shape[1]))
+
+    entries(work_ref, slot, (key, row, count), lead)
+    idle(work_ref, _count(lead))
     if item_rows is None:
         return
     (items_ref,) = items_ref
     rows = jnp.int32(item_rows)
-    chunks = jax.lax.div(count + (rows - 1), rows)  # [n] items of each pair's expert
-    item_b = jnp.sum(jnp.where(lead_less, chunks[None, :], 0), axis=1)  # its slot's first
-    chunks_b = jax.lax.div(count_b + (rows - 1), rows)
-    for c in range(pl.cdiv(p, item_rows)):  # the c-th item of each leading pair's slot
-        entries(items_ref, item_b + c, (key_b, row_b + c * rows,
-                                        jnp.minimum(count_b - c * rows, rows)),
-                lead_b & (c < chunks_b))
-    w = jnp.arange(max(16, pl.next_power_of_2(items_ref.shape[1])), dtype=jnp.int32)
-    used = jnp.sum(jnp.where(lead, chunks, 0))
-    entries(items_ref, w, (jnp.broadcast_to(num_experts, w.shape),
-                           jnp.broadcast_to(num_routed, w.shape), jnp.zeros_like(w)),
-            first_program & (w >= used) & (w < items_ref.shape[1]))
-
-
-def plan_block(p: int) -> int:
-    """Pairs a program of the Pallas plan launch: ``[block, n]`` tiles of at most 16k
-    comparisons (one program up to 128 pairs)."""
-    n = max(16, pl.next_power_of_2(p))
-    return min(n, max(16, 16384 // n))
+    chunks = jax.lax.div(count + (rows - 1), rows)  # items of each pair's expert
+    first_item = jnp.sum(jnp.where(lead_less, chunks[None, :], 0), axis=1)
+    for c in range(pl.cdiv(p, item_rows)):  # the c-th item of each expert
+        entries(items_ref, first_item + c,
+                (key, row + c * rows, jnp.minimum(count - c * rows, rows)), lead & (c < chunks))
+    idle(items_ref, jnp.sum(jnp.where(lead, chunks, 0)))
 
 
 def num_items(slots: int, pairs: int, item_rows: int) -> int:
@@ -318,7 +289,6 @@ def _pallas_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool,
     t, k = expert_ids.shape
     p = t * k
     slots = min(num_experts, p)
-    block = plan_block(p)
     flat = expert_ids.reshape(p).astype(jnp.int32)
     out_shape = [jax.ShapeDtypeStruct((3, slots), jnp.int32),
                  jax.ShapeDtypeStruct((p,), jnp.int32),
@@ -327,11 +297,9 @@ def _pallas_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool,
         out_shape.append(jax.ShapeDtypeStruct((3, num_items(slots, p, item_rows)), jnp.int32))
     work, token_of_row, row_of_pair, *items = pl.pallas_call(
         functools.partial(_plan_kernel, p=p, k=k, num_experts=num_experts, slots=slots,
-                          block=block, item_rows=item_rows),
+                          item_rows=item_rows),
         out_shape=out_shape,
-        grid=(pl.cdiv(p, block),),
-        compiler_params=plgpu.CompilerParams(num_warps=4 if block * p <= 8192 else 8,
-                                             num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="moe_decode_plan",
     )(flat)
