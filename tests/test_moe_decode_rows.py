@@ -112,3 +112,15 @@ def test_rows_lower_to_triton_for_h200(fp4):
                 sd((8, h), jnp.bfloat16), sd((64,), jnp.int32), sd((176, 2 * inter), jnp.float32),
                 sd((88, 2 * inter), jnp.float32)).lower(lowering_platforms=("cuda",))
         assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2
+
+
+def test_round_to_bf16_is_the_cast():
+    """The integer rounding h_rows uses equals f32 -> bf16 -> f32 (ties to even, subnormals,
+    overflow to inf, inf)."""
+    from pallas_kernels.moe_decode.rows import _round_to_bf16
+
+    n = 100_000
+    mag = 10.0 ** jax.random.uniform(jax.random.key(1), (n,), minval=-40, maxval=38)
+    v = jnp.concatenate([jax.random.normal(jax.random.key(0), (n,)) * mag, jnp.array(
+        [0.0, -0.0, jnp.inf, -jnp.inf, 3.3895314e38, 1 + 2**-8, 1 + 3 * 2**-8, 1e-40, -1e-40])])
+    np.testing.assert_array_equal(_round_to_bf16(v), v.astype(jnp.bfloat16).astype(jnp.float32))

@@ -52,6 +52,15 @@ def _columns(k: int, block_k: int | None):
     return pos, jnp.where(valid, src, 0), valid
 
 
+def _round_to_bf16(v):
+    """f32 -> the nearest bf16 (ties to even), kept f32, by integer ops on the bits: XLA on the
+    GPU may drop a convert pair ``f32 -> bf16 -> f32`` (excess precision), which in interpret
+    mode would skip the rounding the compiled kernel does (finite values; inf and NaN stay)."""
+    bits = jax.lax.bitcast_convert_type(v, jnp.int32)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & jnp.int32(-65536)  # -65536: 0xFFFF0000
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def _store_scaled(rows_ref, factor_ref, r, v, pos, valid):
     """Row ``r`` of f32 values ``v`` (0 off the row) as f16 scaled by a power of two."""
     up, down = _pow2_row_scales(jnp.max(jnp.abs(v))[None])
@@ -89,7 +98,7 @@ def _h_rows_kernel(gu_ref, factor_in_ref, *refs, rows: int, splits: int, layout:
         return v
 
     h = _epilogue(part(cols[0]), part(cols[1]), activation, limit, alpha)
-    h = jnp.where(valid, h.astype(jnp.bfloat16).astype(jnp.float32), 0.0)
+    h = jnp.where(valid, _round_to_bf16(h), 0.0)
     _store_scaled(rows_ref, factor_ref, r, h, pos, valid)
 
 
