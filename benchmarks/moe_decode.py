@@ -254,7 +254,11 @@ def _time(kernels, params, xs, loops, host: bool = False, busy: bool = False):
 
 
 def bench(shapes, formats, token_counts, *, hbm: float, loops: int,
-          peer_formats: list[str], compare_triton: bool = False) -> list[dict]:
+          peer_formats: list[str], compare_triton: bool = False,
+          step_repeats: int = 1) -> list[dict]:
+    """One row a (shape, format, tokens). ``step_repeats`` > 1: the step is timed that many
+    times, once before the case's other timings and the rest after them; ``us`` is the
+    median, ``us_range`` the smallest and the largest (the spread METHOD.md asks for)."""
     rows = []
     for shape in shapes:
         for name in formats:
@@ -289,6 +293,14 @@ def bench(shapes, formats, token_counts, *, hbm: float, loops: int,
                 if busy:
                     row.update(busy_us=busy[0] * 1e6, launches=busy[1],
                                busy_frac_hbm=nbytes / busy[0] / hbm)
+                if step_repeats > 1:
+                    times = [t] + [_time(PALLAS, p, xs, loops)[0] for _ in range(step_repeats - 1)]
+                    times = [v for v in times if v is not None]
+                    t = float(np.median(times))
+                    row.update(us=t * 1e6, GBps=nbytes / t / 1e9, frac_hbm=nbytes / t / hbm,
+                               us_range=f"{min(times) * 1e6:.3g}-{max(times) * 1e6:.3g}")
+                    if compare_triton and tt:
+                        row["vs_triton"] = tt / t
                 if name in peer_formats:
                     for label, kc in (("ragged_dot", RAGGED_DOT), ("xla_decode", XLA_DECODE)):
                         # the XLA paths take 0.1-30 ms a step: fewer loops
@@ -493,8 +505,13 @@ def main() -> None:
                              "for FP8 on sm_90)")
     parser.add_argument("--decode-kernel", choices=["auto", "triton", "mosaic"], default="auto",
                         help="KernelConfig.decode_kernel of the timed Pallas steps")
+    parser.add_argument("--step-repeats", type=int, default=1, metavar="N",
+                        help="time each step N times, spread over the case's other timings; "
+                             "report the median and the range (us_range)")
     parser.add_argument("--out", type=Path, help="write the markdown tables here")
     args = parser.parse_args()
+    if args.step_repeats < 1:
+        parser.error("--step-repeats must be >= 1")
     global PALLAS
     PALLAS = PALLAS.replace(decode_kernel=args.decode_kernel)
     on_gpu = jax.default_backend() == "gpu"
@@ -520,8 +537,9 @@ def main() -> None:
     hbm = hbm_copy_bandwidth(0.0625 if args.tiny else 4.0)
     peer_formats = [] if args.no_peers else (args.peer_formats or formats)
     rows = bench(shapes, formats, token_counts, hbm=hbm, loops=loops, peer_formats=peer_formats,
-                 compare_triton=args.compare_triton)
-    cols = ["shape", "format", "tokens", "experts", "MB", "us", "bound_us", "triton_us",
+                 compare_triton=args.compare_triton, step_repeats=args.step_repeats)
+    cols = ["shape", "format", "tokens", "experts", "MB", "us", "us_range", "bound_us",
+            "triton_us",
             "vs_triton", "triton_busy_us", "host_us", "busy_us",
             "launches", "GBps", "frac_hbm", "busy_frac_hbm", "ragged_dot_us", "vs_ragged_dot",
             "busy_vs_ragged_dot", "xla_decode_us", "vs_xla_decode", "busy_vs_xla_decode"]

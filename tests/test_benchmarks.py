@@ -41,7 +41,7 @@ def test_device_busy_without_torch_is_none(monkeypatch):
 
 @pytest.mark.parametrize("args", [
     ["benchmarks/moe_decode.py", "--tiny", "--skip-check", "--shapes", "tiny", "--tokens", "1",
-     "--formats", "nvfp4"],
+     "--formats", "nvfp4", "--step-repeats", "2"],
     ["benchmarks/paged_attention.py", "--smoke"],
 ], ids=["moe_decode", "paged_attention"])
 def test_cpu_smoke_mode(args, tmp_path):
@@ -54,6 +54,10 @@ def test_cpu_smoke_mode(args, tmp_path):
     assert timed, text[-3000:]
     for cell in timed:  # our kernels' times: numbers, not an error written into the cell
         assert float(cell) > 0, text[-3000:]
+    if "moe_decode" in args[0]:  # --step-repeats 2: the range of the two step timings
+        for cell in _column(text, "us_range") or ["missing"]:
+            low, high = map(float, cell.split("-"))
+            assert 0 < low <= high, text[-3000:]
     if "moe_decode" in args[0]:  # the shared-expert A/B: both paths of the fold rule timed
         for name in ("step_folded_us", "step_own_path_us"):
             cells = _column(text, name)
