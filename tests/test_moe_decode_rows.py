@@ -116,7 +116,7 @@ def test_rows_lower_to_triton_for_h200(fp4):
 
 def test_round_to_bf16_is_the_cast():
     """The integer rounding h_rows uses equals f32 -> bf16 -> f32 (ties to even, subnormals,
-    overflow to inf, inf)."""
+    overflow to inf, inf); NaN stays NaN."""
     from pallas_kernels.moe_decode.rows import _round_to_bf16
 
     n = 100_000
@@ -124,3 +124,6 @@ def test_round_to_bf16_is_the_cast():
     v = jnp.concatenate([jax.random.normal(jax.random.key(0), (n,)) * mag, jnp.array(
         [0.0, -0.0, jnp.inf, -jnp.inf, 3.3895314e38, 1 + 2**-8, 1 + 3 * 2**-8, 1e-40, -1e-40])])
     np.testing.assert_array_equal(_round_to_bf16(v), v.astype(jnp.bfloat16).astype(jnp.float32))
+    nan = jax.lax.bitcast_convert_type(jnp.array([0x7FFFFFFF, -1, 0x7FC00000], jnp.int32),
+                                       jnp.float32)  # payloads that would carry into the sign
+    assert np.isnan(np.asarray(_round_to_bf16(nan))).all()

@@ -55,10 +55,11 @@ def _columns(k: int, block_k: int | None):
 def _round_to_bf16(v):
     """f32 -> the nearest bf16 (ties to even), kept f32, by integer ops on the bits: XLA on the
     GPU may drop a convert pair ``f32 -> bf16 -> f32`` (excess precision), which in interpret
-    mode would skip the rounding the compiled kernel does (finite values; inf and NaN stay)."""
+    mode would skip the rounding the compiled kernel does. Infinities stay; NaN stays NaN (the
+    carry of a NaN's payload could reach the sign bit, so NaN is passed through)."""
     bits = jax.lax.bitcast_convert_type(v, jnp.int32)
     bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & jnp.int32(-65536)  # -65536: 0xFFFF0000
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return jnp.where(v == v, jax.lax.bitcast_convert_type(bits, jnp.float32), v)
 
 
 def _store_scaled(rows_ref, factor_ref, r, v, pos, valid):
