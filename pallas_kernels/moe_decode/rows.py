@@ -22,7 +22,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -146,8 +145,11 @@ def h_rows(gu: jax.Array, factor: jax.Array, *, splits: int = 1,
 
 def rows_reference(v: jax.Array, block_k: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Plain jnp: f32 rows ``v [R, K]`` -> (f16 rows scaled per row, factors), in the FP4
-    operand order for ``block_k``."""
+    operand order for ``block_k`` (``mosaic.permute_fp4_activations``, the reshape form of the
+    order ``operand_source`` computes index by index)."""
+    from pallas_kernels.moe_decode.mosaic import SlotTile, permute_fp4_activations
+
     up, down = _pow2_row_scales(jnp.max(jnp.abs(v), axis=1))
     if block_k is not None:
-        v = v[:, operand_source(np.arange(v.shape[1]), block_k)]
+        v = permute_fp4_activations(v, SlotTile(block_k=block_k))
     return (v * up[:, None]).astype(jnp.float16), down
