@@ -123,3 +123,15 @@ def test_moe_decode_mosaic_k_splits_flag():
     for bad in ("2", "a,b", "1,2,3"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected 'G,D'"):
             _splits(bad)
+
+
+def test_moe_decode_plan_benchmark_checks_every_builder():
+    """The plan benchmark (interpret mode) builds the same plan every way (it asserts so) and
+    times each: 16 pairs (all four builders) and 136 (past the pairwise program)."""
+    proc = subprocess.run([sys.executable, "benchmarks/moe_decode_plan.py", "--interpret",
+                           "--tokens", "2", "17", "--experts", "16", "--loops", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plans = _column(proc.stdout, "plan")
+    assert plans == ["xla", "xla-sort", "pairwise", "scan", "xla", "xla-sort", "scan"], plans
+    assert all(float(c) > 0 for c in _column(proc.stdout, "scan_us")), proc.stdout[-3000:]

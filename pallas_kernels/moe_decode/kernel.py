@@ -10,12 +10,14 @@ Plan (``make_plan``, on device, no host sync). The ``P = T * k`` pairs are sorte
 run of equal ids is one expert's rows. ``work [3, U]`` lists, for ``U = min(E, P)`` expert slots,
 the expert id, its first sorted row and its row count; slots past the number of distinct
 experts have 0 rows (their programs exit at once). ``token_of_row [P]`` maps a sorted row to its
-token, ``row_of_pair [T, k]`` a pair to its sorted row. The decode entries build it from
-pairwise comparisons of the pair ids (no sort): for up to ``PALLAS_PLAN_MAX_PAIRS`` pairs in
-one Pallas program (one launch, the entries written by scatter stores; XLA's form of the same
-algebra takes six or seven small fusions), which can also cut the slots into the Mosaic GPU
-kernels' work items (``item_rows``), up to ``DENSE_PLAN_MAX_PAIRS`` in XLA, and beyond that by
-a sort.
+token, ``row_of_pair [T, k]`` a pair to its sorted row. The decode entries build it with
+Pallas launches, which can also cut the slots into the Mosaic GPU kernels' work items
+(``item_rows``): up to ``PALLAS_PLAN_MAX_PAIRS`` pairs one program of pairwise comparisons of
+the pair ids (no sort; the entries written by scatter stores; XLA's form of the same algebra
+takes six or seven small fusions), up to ``SCAN_PLAN_MAX_PAIRS`` XLA's sort of the pair keys
+and one program of O(P) work over the sorted keys (cumsums, scatter stores, a block barrier).
+Without Pallas, and past that bound: the pairwise algebra in XLA up to
+``DENSE_PLAN_MAX_PAIRS``, then a sort, a cumsum and scatters in XLA.
 
 Kernel 1 (gate_up), grid ``(U, cdiv(I, block_n))``: the program of slot u gathers its rows of
 ``x`` through ``token_of_row`` (``block_m`` = 16 at a time: one chunk for up to 16 pairs, the
@@ -146,20 +148,26 @@ DENSE_PLAN_MAX_PAIRS = 1024
 # entries of 32 pairs, the counts over all 512) took 74 us at 64 tokens x 8, against ~15 us
 # for XLA's ten fusions (H200, session 12).
 PALLAS_PLAN_MAX_PAIRS = 128
+# Past it (``pallas=True``), up to this many pairs: XLA's sort of the pair keys and one Pallas
+# program of O(P) work (``_pallas_scan_plan``), in place of XLA's pairwise plan and item cut.
+SCAN_PLAN_MAX_PAIRS = 1024
 
 
 def make_plan(expert_ids: jax.Array, num_experts: int, *, pallas: bool = False,
               interpret: bool = False, item_rows: int | None = None) -> DecodePlan:
     """Work list of ``expert_ids [T, k]``; ``U = min(E, P)`` slots (a static bound on the
     distinct experts). ``P = T*k <= DENSE_PLAN_MAX_PAIRS``: ``_dense_plan``, else
-    ``_sorted_plan``; both give the same plan (slots in increasing expert id, idle slots last,
-    rows in the stable sort order). ``pallas`` and ``P <= PALLAS_PLAN_MAX_PAIRS``: the dense
-    plan as one Pallas launch (``interpret``: in interpret mode), the same plan; with
-    ``item_rows`` that launch also cuts the slots into work items (the plan's ``items``; the
-    other plans leave it None)."""
+    ``_sorted_plan``; all give the same plan (slots in increasing expert id, idle slots last,
+    rows in the stable sort order). ``pallas``: Pallas launches build it (``interpret``: in
+    interpret mode), up to ``PALLAS_PLAN_MAX_PAIRS`` one program of pairwise comparisons, up
+    to ``SCAN_PLAN_MAX_PAIRS`` a sort and one program; with ``item_rows`` those also cut the
+    slots into work items (the plan's ``items``; the XLA plans leave it None)."""
     t, k = expert_ids.shape
     if pallas and t * k <= PALLAS_PLAN_MAX_PAIRS:
         return _pallas_plan(expert_ids, num_experts, interpret=interpret, item_rows=item_rows)
+    if pallas and t * k <= SCAN_PLAN_MAX_PAIRS:
+        return _pallas_scan_plan(expert_ids, num_experts, interpret=interpret,
+                                 item_rows=item_rows)
     if t * k <= DENSE_PLAN_MAX_PAIRS:
         return _dense_plan(expert_ids, num_experts)
     return _sorted_plan(expert_ids, num_experts)
@@ -224,6 +232,23 @@ def _dense_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
     )
 
 
+def _entries(ref, at, values, mask):
+    """Scatter ``values[i]`` to ``ref[i, at]`` where ``mask``. Masked-off lanes point past the
+    end: in interpret mode a masked store writes the old value back, which must not land on
+    another lane's entry."""
+    at = jnp.where(mask, at, jnp.int32(ref.shape[1]))
+    for i, v in enumerate(values):
+        plgpu.store(ref.at[jnp.int32(i), at], v, mask=mask)
+
+
+def _idle(ref, used, num_experts, num_routed):
+    """A ``[3, W]`` ref's entries from ``used`` on: ``(num_experts, routed rows, 0)``."""
+    at = jnp.arange(max(16, pl.next_power_of_2(ref.shape[1])), dtype=jnp.int32)
+    _entries(ref, at, (jnp.full(at.shape, num_experts, jnp.int32),
+                       jnp.broadcast_to(num_routed, at.shape), jnp.zeros_like(at)),
+             (at >= used) & (at < ref.shape[1]))
+
+
 def _plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *items_ref, p: int,
                  k: int, num_experts: int, slots: int, item_rows: int | None):
     """One program: ``_pairwise_plan``'s comparisons on the ``p`` pair ids (padded to a power
@@ -246,25 +271,11 @@ def _plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *items_re
     lead_less = less & lead[None, :]
     slot = _count(lead_less, axis=1)  # distinct real experts below this pair's
     num_routed = _count(routed)
-    # masked-off lanes of a scatter point past the end: in interpret mode a masked store
-    # writes the old value back, which must not land on another lane's entry
     plgpu.store(row_of_pair_ref.at[idx], row, mask=valid)
     plgpu.store(token_of_row_ref.at[jnp.where(valid, row, p)], jax.lax.div(idx, jnp.int32(k)),
                 mask=valid)
-
-    def entries(ref, at, values, mask):
-        at = jnp.where(mask, at, jnp.int32(ref.shape[1]))
-        for i, v in enumerate(values):
-            plgpu.store(ref.at[jnp.int32(i), at], v, mask=mask)
-
-    def idle(ref, used):  # a ref's entries from ``used`` on: (num_experts, routed rows, 0)
-        at = jnp.arange(max(16, pl.next_power_of_2(ref.shape[1])), dtype=jnp.int32)
-        entries(ref, at, (jnp.full(at.shape, num_experts, jnp.int32),
-                          jnp.broadcast_to(num_routed, at.shape), jnp.zeros_like(at)),
-                (at >= used) & (at < ref.shape[1]))
-
-    entries(work_ref, slot, (key, row, count), lead)
-    idle(work_ref, _count(lead))
+    _entries(work_ref, slot, (key, row, count), lead)
+    _idle(work_ref, _count(lead), num_experts, num_routed)
     if item_rows is None:
         return
     (items_ref,) = items_ref
@@ -272,14 +283,23 @@ def _plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *items_re
     chunks = jax.lax.div(count + (rows - 1), rows)  # items of each pair's expert
     first_item = jnp.sum(jnp.where(lead_less, chunks[None, :], 0), axis=1)
     for c in range(pl.cdiv(p, item_rows)):  # the c-th item of each expert
-        entries(items_ref, first_item + c,
-                (key, row + c * rows, jnp.minimum(count - c * rows, rows)), lead & (c < chunks))
-    idle(items_ref, jnp.sum(jnp.where(lead, chunks, 0)))
+        _entries(items_ref, first_item + c,
+                 (key, row + c * rows, jnp.minimum(count - c * rows, rows)), lead & (c < chunks))
+    _idle(items_ref, jnp.sum(jnp.where(lead, chunks, 0)), num_experts, num_routed)
 
 
 def num_items(slots: int, pairs: int, item_rows: int) -> int:
     """A static bound on the work items: ``sum(cdiv(rows_u, item_rows)) <= U + P / item_rows``."""
     return slots + pl.cdiv(pairs, item_rows)
+
+
+def _plan_outputs(p: int, slots: int, item_rows: int | None):
+    out_shape = [jax.ShapeDtypeStruct((3, slots), jnp.int32),
+                 jax.ShapeDtypeStruct((p,), jnp.int32),
+                 jax.ShapeDtypeStruct((p,), jnp.int32)]
+    if item_rows is not None:
+        out_shape.append(jax.ShapeDtypeStruct((3, num_items(slots, p, item_rows)), jnp.int32))
+    return out_shape
 
 
 def _pallas_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool,
@@ -290,15 +310,10 @@ def _pallas_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool,
     p = t * k
     slots = min(num_experts, p)
     flat = expert_ids.reshape(p).astype(jnp.int32)
-    out_shape = [jax.ShapeDtypeStruct((3, slots), jnp.int32),
-                 jax.ShapeDtypeStruct((p,), jnp.int32),
-                 jax.ShapeDtypeStruct((p,), jnp.int32)]
-    if item_rows is not None:
-        out_shape.append(jax.ShapeDtypeStruct((3, num_items(slots, p, item_rows)), jnp.int32))
     work, token_of_row, row_of_pair, *items = pl.pallas_call(
         functools.partial(_plan_kernel, p=p, k=k, num_experts=num_experts, slots=slots,
                           item_rows=item_rows),
-        out_shape=out_shape,
+        out_shape=_plan_outputs(p, slots, item_rows),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="moe_decode_plan",
@@ -306,6 +321,91 @@ def _pallas_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool,
     return DecodePlan(work=work, token_of_row=token_of_row, row_of_pair=row_of_pair.reshape(t, k),
                       routed=_plan_keys(flat, num_experts)[1].reshape(t, k),
                       items=items[0] if items else None)
+
+
+def _scan_plan_kernel(sorted_ref, work_ref, token_of_row_ref, row_of_pair_ref, *items_ref,
+                      p: int, k: int, num_experts: int, shift: int, item_rows: int | None,
+                      barrier: bool):
+    """One program over the ``p`` sorted pair keys ``key << shift | pair`` (lane r: sorted row
+    r): a run of equal keys is one expert's rows; its first lane writes the slot's expert and
+    first row (slot: a cumsum of the run starts), its last lane reads the first row back
+    (after a block barrier: other threads wrote it) and writes the row count; with
+    ``item_rows``, every row at a multiple of ``item_rows`` within its run writes the work
+    item it starts (its run's first item: a cumsum of the runs' item counts). O(p) work, no
+    [p, p] comparisons. ``barrier`` False in interpret mode (no lowering there; the
+    interpreter runs the stores and loads in program order)."""
+    n = max(16, pl.next_power_of_2(p))
+    r = jnp.arange(n, dtype=jnp.int32)
+    valid = r < p
+    past = jnp.int32((num_experts + 1) << shift)  # a key past every real one (lanes >= p)
+
+    def key_at(i, mask, other):
+        return jax.lax.shift_right_arithmetic(
+            plgpu.load(sorted_ref.at[jnp.clip(i, 0, p - 1)], mask=mask, other=other),
+            jnp.int32(shift))
+
+    comp = plgpu.load(sorted_ref.at[r], mask=valid, other=past)
+    key = jax.lax.shift_right_arithmetic(comp, jnp.int32(shift))
+    pair = comp & jnp.int32((1 << shift) - 1)
+    routed = key < num_experts
+    starts = routed & (key != key_at(r - 1, valid & (r > 0), jnp.int32(-1)))
+    ends = routed & (key != key_at(r + 1, r + 1 < p, past))
+    slot = jax.lax.cumsum(starts.astype(jnp.int32), axis=0) - 1
+    num_routed = _count(routed)
+    plgpu.store(row_of_pair_ref.at[jnp.where(valid, pair, p)], r, mask=valid)
+    plgpu.store(token_of_row_ref.at[r], jax.lax.div(pair, jnp.int32(k)), mask=valid)
+    _entries(work_ref, slot, (key, r), starts)
+
+    def sync():
+        if barrier:
+            plgpu.debug_barrier()
+
+    def slot_entry(i, mask):  # work_ref[i, slot] of each lane's run (written before a sync)
+        return plgpu.load(work_ref.at[jnp.int32(i), jnp.where(mask, slot, 0)], mask=mask,
+                          other=0)
+
+    sync()
+    count = r + 1 - slot_entry(1, ends)  # at the last lane of each run
+    plgpu.store(work_ref.at[jnp.int32(2), jnp.where(ends, slot, work_ref.shape[1])], count,
+                mask=ends)
+    _idle(work_ref, _count(starts), num_experts, num_routed)
+    if item_rows is None:
+        return
+    (items_ref,) = items_ref
+    rows = jnp.int32(item_rows)
+    sync()
+    first, count = slot_entry(1, routed), slot_entry(2, routed)  # every row: its run's
+    chunks = jnp.where(ends, jax.lax.div(count + (rows - 1), rows), 0)  # a run's items
+    off = r - first  # row within its run
+    item = jax.lax.cumsum(chunks, axis=0) - chunks + jax.lax.div(off, rows)
+    _entries(items_ref, item, (key, r, jnp.minimum(count - off, rows)),
+             routed & (jax.lax.rem(off, rows) == 0))
+    _idle(items_ref, jnp.sum(chunks), num_experts, num_routed)
+
+
+def _pallas_scan_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool,
+                      item_rows: int | None = None) -> DecodePlan:
+    """The plan from XLA's sort of the ``P`` pair keys (one launch) and one Pallas program
+    (``_scan_plan_kernel``): the same plan (and work items) as ``_dense_plan`` (its cut),
+    for any ``P`` up to ``SCAN_PLAN_MAX_PAIRS``."""
+    t, k = expert_ids.shape
+    p = t * k
+    slots = min(num_experts, p)
+    flat = expert_ids.reshape(p).astype(jnp.int32)
+    key, routed = _plan_keys(flat, num_experts)
+    shift = max(1, (p - 1).bit_length())
+    comp = jax.lax.sort(jax.lax.shift_left(key, jnp.int32(shift))
+                        | jnp.arange(p, dtype=jnp.int32))  # unique keys: stable by pair
+    work, token_of_row, row_of_pair, *items = pl.pallas_call(
+        functools.partial(_scan_plan_kernel, p=p, k=k, num_experts=num_experts, shift=shift,
+                          item_rows=item_rows, barrier=not interpret),
+        out_shape=_plan_outputs(p, slots, item_rows),
+        compiler_params=plgpu.CompilerParams(num_warps=4 if p <= 512 else 8, num_stages=1),
+        interpret=interpret,
+        name="moe_decode_scan_plan",
+    )(comp)
+    return DecodePlan(work=work, token_of_row=token_of_row, row_of_pair=row_of_pair.reshape(t, k),
+                      routed=routed.reshape(t, k), items=items[0] if items else None)
 
 
 def _sorted_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
