@@ -7,7 +7,8 @@ inside one jitted scan.
 
 Builders: ``xla`` (XLA's pairwise plan, then XLA's item cut), ``xla-sort`` (XLA's sort plan,
 then the cut), ``pairwise`` (one Pallas program of pairwise comparisons, up to
-``PALLAS_PLAN_MAX_PAIRS``), ``scan`` (XLA's sort of the pair keys and one Pallas program).
+``PALLAS_PLAN_MAX_PAIRS``), ``radix`` (one Pallas program that radix-sorts the pair keys, up
+to ``RADIX_PLAN_MAX_PAIRS``).
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import device_busy, rotating, table, time_scan  # noqa: E402
 from pallas_kernels.moe_decode.kernel import (  # noqa: E402
     PALLAS_PLAN_MAX_PAIRS,
-    SCAN_PLAN_MAX_PAIRS,
+    RADIX_PLAN_MAX_PAIRS,
     _dense_plan,
     _pallas_plan,
-    _pallas_scan_plan,
+    _pallas_radix_plan,
     _sorted_plan,
 )
 from pallas_kernels.moe_decode.mosaic import ROWS, work_items  # noqa: E402
@@ -52,8 +53,8 @@ def builders(pairs: int, interpret: bool) -> dict:
     out = {"xla": cut(_dense_plan), "xla-sort": cut(_sorted_plan)}
     if pairs <= PALLAS_PLAN_MAX_PAIRS:
         out["pairwise"] = pallas(_pallas_plan)
-    if pairs <= SCAN_PLAN_MAX_PAIRS:
-        out["scan"] = pallas(_pallas_scan_plan)
+    if pairs <= RADIX_PLAN_MAX_PAIRS:
+        out["radix"] = pallas(_pallas_radix_plan)
     return out
 
 

@@ -133,5 +133,5 @@ def test_moe_decode_plan_benchmark_checks_every_builder():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plans = _column(proc.stdout, "plan")
-    assert plans == ["xla", "xla-sort", "pairwise", "scan", "xla", "xla-sort", "scan"], plans
+    assert plans == ["xla", "xla-sort", "pairwise", "radix", "xla", "xla-sort", "radix"], plans
     assert all(float(c) > 0 for c in _column(proc.stdout, "scan_us")), proc.stdout[-3000:]

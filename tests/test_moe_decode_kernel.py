@@ -41,10 +41,10 @@ from pallas_kernels.moe_decode import (
 )
 from pallas_kernels.moe_decode.kernel import (
     PALLAS_PLAN_MAX_PAIRS,
-    SCAN_PLAN_MAX_PAIRS,
+    RADIX_PLAN_MAX_PAIRS,
     _dense_plan,
     _pallas_plan,
-    _pallas_scan_plan,
+    _pallas_radix_plan,
     _sorted_plan,
 )
 from tests.test_moe import make, token_ids_for
@@ -443,7 +443,7 @@ PLAN_BUILDERS = {
     "dense": _dense_plan,
     "sorted": _sorted_plan,
     "pallas": functools.partial(_pallas_plan, interpret=True),
-    "scan": functools.partial(_pallas_scan_plan, interpret=True),
+    "radix": functools.partial(_pallas_radix_plan, interpret=True),
 }
 
 
@@ -483,18 +483,18 @@ def test_plan_covers_every_routed_pair_once(pattern, t, k, builder):
 @pytest.mark.parametrize("item_rows", [1, 5, 16])
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("t,k", [(1, 4), (7, 3), (21, 6)])
-def test_scan_plan_cuts_the_same_items_as_the_pairwise_plan(pattern, t, k, item_rows):
-    """The sort-and-scan plan program's work items (any item size) equal the pairwise plan
+def test_radix_plan_cuts_the_same_items_as_the_pairwise_plan(pattern, t, k, item_rows):
+    """The radix-sort plan program's work items (any item size) equal the pairwise plan
     program's, whose own cut is checked against XLA's cut in test_moe_decode_mosaic.py."""
     ids = routing(pattern, t, k)
-    scan = _pallas_scan_plan(ids, E, interpret=True, item_rows=item_rows)
+    radix = _pallas_radix_plan(ids, E, interpret=True, item_rows=item_rows)
     pairwise = _pallas_plan(ids, E, interpret=True, item_rows=item_rows)
-    for name, a, b in zip(scan._fields, scan, pairwise, strict=True):
+    for name, a, b in zip(radix._fields, radix, pairwise, strict=True):
         np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 @pytest.mark.parametrize("e,t,k", [(128, 64, 8), (32, 64, 4), (257, 128, 8)])
-def test_scan_plan_at_decode_sizes(e, t, k):
+def test_radix_plan_at_decode_sizes(e, t, k):
     """Qwen3-like 64 tokens x 8 of 128 experts, gpt-oss-like 64 x 4 of 32 and 1024 pairs (the
     bound) of 257 ids (a shared expert past 256): XLA's plan and its item cut."""
     from pallas_kernels.moe_decode.mosaic import ROWS, work_items
@@ -509,25 +509,27 @@ def test_scan_plan_at_decode_sizes(e, t, k):
     np.testing.assert_array_equal(plan.items, work_items(dense, e))
 
 
-@pytest.mark.parametrize("t,pallas", [(1, True), (16, True), (17, True), (128, True),
+@pytest.mark.parametrize("t,pallas", [(1, True), (8, True), (9, True), (128, True),
                                       (129, True), (4, False)])
-def test_make_plan_takes_pallas_launches_up_to_their_bounds(t, pallas):
-    """k = 8: up to 16 tokens (128 pairs) one pairwise program; up to 128 tokens (1024 pairs)
-    XLA's sort and the scan program; past that, and without ``pallas``, XLA alone."""
+def test_make_plan_takes_one_pallas_launch_up_to_its_bound(t, pallas):
+    """k = 8: up to 8 tokens (64 pairs) the pairwise program, up to 128 tokens (1024 pairs)
+    the radix-sort program, either one launch and no XLA sort; past that, and without
+    ``pallas``, XLA alone."""
     k = 8
     ids = jnp.zeros((t, k), jnp.int32)
     jaxpr = str(jax.make_jaxpr(functools.partial(make_plan, num_experts=E, pallas=pallas,
                                                  interpret=True))(ids))
-    assert jaxpr.count("pallas_call") == (pallas and t * k <= SCAN_PLAN_MAX_PAIRS)
-    assert ("sort" in jaxpr) == (t * k > PALLAS_PLAN_MAX_PAIRS and (pallas or t * k > 1024))
+    assert jaxpr.count("pallas_call") == (pallas and t * k <= RADIX_PLAN_MAX_PAIRS)
+    assert ("radix" in jaxpr) == (pallas and PALLAS_PLAN_MAX_PAIRS < t * k <= 1024)
+    assert ("sort[" in jaxpr) == (t * k > 1024)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Triton plan launch")
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("t,k", [(1, 6), (8, 6), (21, 6), (22, 6), (64, 8), (170, 6)])
+@pytest.mark.parametrize("t,k", [(1, 6), (10, 6), (11, 6), (21, 6), (64, 8), (170, 6)])
 def test_compiled_pallas_plan_on_gpu(pattern, t, k):
-    """The compiled plan launches (8, 48 and 126 pairs: the pairwise program; 132, 512 and
-    1020: the sort and the scan program) give XLA's plan and XLA's cut of its work items."""
+    """The compiled plan launches (6 and 60 pairs: the pairwise program; 66, 126, 512 and
+    1020: the radix-sort program) give XLA's plan and XLA's cut of its work items."""
     from pallas_kernels.moe_decode.mosaic import ROWS, work_items
 
     ids = routing(pattern, t, k)
@@ -539,11 +541,10 @@ def test_compiled_pallas_plan_on_gpu(pattern, t, k):
     np.testing.assert_array_equal(plan.items, work_items(dense, E))
 
 
-@pytest.mark.parametrize("t", [1, 8, 16, 64, 128])
+@pytest.mark.parametrize("t", [1, 8, 9, 64, 128])
 def test_pallas_plan_lowers_to_triton_for_h200(t):
-    """The plan launch with its work items (8, 64 and 128 pairs: pairwise; 512 and 1024: the
-    scan program after XLA's sort), lowered by Pallas' Triton backend for the H200 without a
-    GPU."""
+    """The plan launch with its work items (8 and 64 pairs: pairwise; 72, 512 and 1024: the
+    radix sort), lowered by Pallas' Triton backend for the H200 without a GPU."""
     dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
     plan = functools.partial(make_plan, num_experts=128, pallas=True, item_rows=16)

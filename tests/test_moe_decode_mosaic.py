@@ -25,7 +25,7 @@ import atlas_jax as aj
 from atlas_jax.config import ActQuant, Format
 from pallas_kernels.grouped_matmul.config import WeightFormat
 from pallas_kernels.moe_decode import ExtraExperts, make_plan, moe_decode_pairs_reference
-from pallas_kernels.moe_decode.kernel import SCAN_PLAN_MAX_PAIRS
+from pallas_kernels.moe_decode.kernel import RADIX_PLAN_MAX_PAIRS
 from pallas_kernels.moe_decode.mosaic import (
     ROWS,
     SlotTile,
@@ -167,14 +167,14 @@ def test_fp4_rows_and_scales_far_apart(fmt):
 def test_work_items_cut_each_slot_into_chunks(pattern, t, k):
     """Items hold 1..16 rows of one expert, in order, covering every routed row once and no
     other row; items past the last are (E, routed rows, 0); the static bound W = U + cdiv(P,
-    16) holds. The Pallas plan launches (a pairwise program up to 128 pairs, then a sort and a
-    scan program) cut the same items as XLA's cut of the XLA plan."""
+    16) holds. The Pallas plan launches (a pairwise program up to 64 pairs, then a radix-sort
+    program) cut the same items as XLA's cut of the XLA plan."""
     ids = routing(pattern, t, k)
     plan = make_plan(ids, E)
     assert plan.items is None
     items = np.asarray(work_items(plan, E))
     in_plan = make_plan(ids, E, pallas=True, interpret=True, item_rows=ROWS)
-    assert (in_plan.items is None) == (t * k > SCAN_PLAN_MAX_PAIRS)
+    assert (in_plan.items is None) == (t * k > RADIX_PLAN_MAX_PAIRS)
     np.testing.assert_array_equal(in_plan.work, plan.work)
     np.testing.assert_array_equal(work_items(in_plan, E), items)
     expert, first, rows = np.asarray(plan.work)

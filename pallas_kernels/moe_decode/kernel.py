@@ -14,8 +14,9 @@ token, ``row_of_pair [T, k]`` a pair to its sorted row. The decode entries build
 Pallas launches, which can also cut the slots into the Mosaic GPU kernels' work items
 (``item_rows``): up to ``PALLAS_PLAN_MAX_PAIRS`` pairs one program of pairwise comparisons of
 the pair ids (no sort; the entries written by scatter stores; XLA's form of the same algebra
-takes six or seven small fusions), up to ``SCAN_PLAN_MAX_PAIRS`` XLA's sort of the pair keys
-and one program of O(P) work over the sorted keys (cumsums, scatter stores, a block barrier).
+takes six or seven small fusions), up to ``RADIX_PLAN_MAX_PAIRS`` one program that radix-sorts
+the pair keys and reads the runs off them (O(P * key bits) work: cumsums, scatter stores, block
+barriers).
 Without Pallas, and past that bound: the pairwise algebra in XLA up to
 ``DENSE_PLAN_MAX_PAIRS``, then a sort, a cumsum and scatters in XLA.
 
@@ -144,13 +145,13 @@ class DecodePlan(NamedTuple):
 DENSE_PLAN_MAX_PAIRS = 1024
 # Up to this many pairs the pairwise plan runs as one Pallas program (``pallas=True``): one
 # launch in place of XLA's six or seven small fusions (~7 us of a 1-token step on the H200).
-# Its [n, n] comparisons grow with the pairs squared: a 16-program version (each program the
-# entries of 32 pairs, the counts over all 512) took 74 us at 64 tokens x 8, against ~15 us
-# for XLA's ten fusions (H200, session 12).
-PALLAS_PLAN_MAX_PAIRS = 128
-# Past it (``pallas=True``), up to this many pairs: XLA's sort of the pair keys and one Pallas
-# program of O(P) work (``_pallas_scan_plan``), in place of XLA's pairwise plan and item cut.
-SCAN_PLAN_MAX_PAIRS = 1024
+# Its [n, n] comparisons grow with the pairs squared: 3.7 us at 64 pairs, 15.2 at 128 (H200,
+# session 13, ``benchmarks/moe_decode_plan.py``); a 16-program version (each program the
+# entries of 32 pairs, the counts over all 512) took 74 us at 512 pairs (session 12).
+PALLAS_PLAN_MAX_PAIRS = 64
+# Past it (``pallas=True``), up to this many pairs: one Pallas program that radix-sorts the
+# pair keys (``_pallas_radix_plan``), in place of XLA's pairwise plan (~10 fusions) and item cut.
+RADIX_PLAN_MAX_PAIRS = 1024
 
 
 def make_plan(expert_ids: jax.Array, num_experts: int, *, pallas: bool = False,
@@ -160,13 +161,13 @@ def make_plan(expert_ids: jax.Array, num_experts: int, *, pallas: bool = False,
     ``_sorted_plan``; all give the same plan (slots in increasing expert id, idle slots last,
     rows in the stable sort order). ``pallas``: Pallas launches build it (``interpret``: in
     interpret mode), up to ``PALLAS_PLAN_MAX_PAIRS`` one program of pairwise comparisons, up
-    to ``SCAN_PLAN_MAX_PAIRS`` a sort and one program; with ``item_rows`` those also cut the
+    to ``RADIX_PLAN_MAX_PAIRS`` one radix-sort program; with ``item_rows`` those also cut the
     slots into work items (the plan's ``items``; the XLA plans leave it None)."""
     t, k = expert_ids.shape
     if pallas and t * k <= PALLAS_PLAN_MAX_PAIRS:
         return _pallas_plan(expert_ids, num_experts, interpret=interpret, item_rows=item_rows)
-    if pallas and t * k <= SCAN_PLAN_MAX_PAIRS:
-        return _pallas_scan_plan(expert_ids, num_experts, interpret=interpret,
+    if pallas and t * k <= RADIX_PLAN_MAX_PAIRS:
+        return _pallas_radix_plan(expert_ids, num_experts, interpret=interpret,
                                  item_rows=item_rows)
     if t * k <= DENSE_PLAN_MAX_PAIRS:
         return _dense_plan(expert_ids, num_experts)
@@ -323,42 +324,59 @@ def _pallas_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool,
                       items=items[0] if items else None)
 
 
-def _scan_plan_kernel(sorted_ref, work_ref, token_of_row_ref, row_of_pair_ref, *items_ref,
-                      p: int, k: int, num_experts: int, shift: int, item_rows: int | None,
-                      barrier: bool):
-    """One program over the ``p`` sorted pair keys ``key << shift | pair`` (lane r: sorted row
-    r): a run of equal keys is one expert's rows; its first lane writes the slot's expert and
-    first row (slot: a cumsum of the run starts), its last lane reads the first row back
-    (after a block barrier: other threads wrote it) and writes the row count; with
-    ``item_rows``, every row at a multiple of ``item_rows`` within its run writes the work
-    item it starts (its run's first item: a cumsum of the runs' item counts). O(p) work, no
-    [p, p] comparisons. ``barrier`` False in interpret mode (no lowering there; the
-    interpreter runs the stores and loads in program order)."""
+def _radix_plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *items_ref,
+                       p: int, k: int, num_experts: int, item_rows: int | None, barrier: bool):
+    """One program, O(P * bits) work: the ``p`` pair keys ``key << shift | pair`` sorted by a
+    stable LSD radix sort over the key's bits (a pass a bit: a lane's new row is the zeros
+    before it, or all zeros plus the ones before it -- cumsums -- scattered into one of two
+    global buffers, ``token_of_row_ref`` and ``row_of_pair_ref``, in turn, read back after a
+    block barrier). Lane r then holds sorted row r: a run of equal keys is one expert's rows;
+    its first lane writes the slot's expert and first row (slot: a cumsum of the run starts),
+    its last lane reads the first row back (after a barrier) and writes the row count; with
+    ``item_rows``, every row at a multiple of ``item_rows`` within its run writes the work item
+    it starts (its run's first item: a cumsum of the runs' item counts). No [p, p]
+    comparisons. ``barrier`` False in interpret mode (no lowering there; the interpreter runs
+    the stores and loads in program order)."""
     n = max(16, pl.next_power_of_2(p))
+    shift = max(1, (p - 1).bit_length())
     r = jnp.arange(n, dtype=jnp.int32)
     valid = r < p
+    num_experts_ = jnp.int32(num_experts)
     past = jnp.int32((num_experts + 1) << shift)  # a key past every real one (lanes >= p)
+
+    def sync():
+        if barrier:
+            plgpu.debug_barrier()
+
+    key, _ = _plan_keys(plgpu.load(ids_ref.at[r], mask=valid, other=num_experts_), num_experts_)
+    comp = jnp.where(valid, jax.lax.shift_left(key, jnp.int32(shift)) | r, past)
+    buffers = (token_of_row_ref, row_of_pair_ref)
+    for b in range(num_experts.bit_length()):  # keys 0..num_experts (zero experts)
+        bit = jnp.where(valid, jax.lax.shift_right_logical(comp, jnp.int32(shift + b)) & 1, 0)
+        ones_before = jax.lax.cumsum(bit, axis=0) - bit
+        dst = jnp.where(bit == 1, jnp.int32(p) - jnp.sum(bit) + ones_before, r - ones_before)
+        buf = buffers[b % 2]
+        plgpu.store(buf.at[jnp.where(valid, dst, p)], comp, mask=valid)
+        sync()
+        comp = plgpu.load(buf.at[r], mask=valid, other=past)
+    sorted_ref = buffers[(num_experts.bit_length() - 1) % 2]
 
     def key_at(i, mask, other):
         return jax.lax.shift_right_arithmetic(
             plgpu.load(sorted_ref.at[jnp.clip(i, 0, p - 1)], mask=mask, other=other),
             jnp.int32(shift))
 
-    comp = plgpu.load(sorted_ref.at[r], mask=valid, other=past)
     key = jax.lax.shift_right_arithmetic(comp, jnp.int32(shift))
     pair = comp & jnp.int32((1 << shift) - 1)
-    routed = key < num_experts
+    routed = key < num_experts_
     starts = routed & (key != key_at(r - 1, valid & (r > 0), jnp.int32(-1)))
     ends = routed & (key != key_at(r + 1, r + 1 < p, past))
     slot = jax.lax.cumsum(starts.astype(jnp.int32), axis=0) - 1
     num_routed = _count(routed)
+    sync()  # every lane has read the sorted buffer: it may now be overwritten
     plgpu.store(row_of_pair_ref.at[jnp.where(valid, pair, p)], r, mask=valid)
     plgpu.store(token_of_row_ref.at[r], jax.lax.div(pair, jnp.int32(k)), mask=valid)
     _entries(work_ref, slot, (key, r), starts)
-
-    def sync():
-        if barrier:
-            plgpu.debug_barrier()
 
     def slot_entry(i, mask):  # work_ref[i, slot] of each lane's run (written before a sync)
         return plgpu.load(work_ref.at[jnp.int32(i), jnp.where(mask, slot, 0)], mask=mask,
@@ -368,7 +386,7 @@ def _scan_plan_kernel(sorted_ref, work_ref, token_of_row_ref, row_of_pair_ref, *
     count = r + 1 - slot_entry(1, ends)  # at the last lane of each run
     plgpu.store(work_ref.at[jnp.int32(2), jnp.where(ends, slot, work_ref.shape[1])], count,
                 mask=ends)
-    _idle(work_ref, _count(starts), num_experts, num_routed)
+    _idle(work_ref, _count(starts), num_experts_, num_routed)
     if item_rows is None:
         return
     (items_ref,) = items_ref
@@ -380,32 +398,29 @@ def _scan_plan_kernel(sorted_ref, work_ref, token_of_row_ref, row_of_pair_ref, *
     item = jax.lax.cumsum(chunks, axis=0) - chunks + jax.lax.div(off, rows)
     _entries(items_ref, item, (key, r, jnp.minimum(count - off, rows)),
              routed & (jax.lax.rem(off, rows) == 0))
-    _idle(items_ref, jnp.sum(chunks), num_experts, num_routed)
+    _idle(items_ref, jnp.sum(chunks), num_experts_, num_routed)
 
 
-def _pallas_scan_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool,
-                      item_rows: int | None = None) -> DecodePlan:
-    """The plan from XLA's sort of the ``P`` pair keys (one launch) and one Pallas program
-    (``_scan_plan_kernel``): the same plan (and work items) as ``_dense_plan`` (its cut),
-    for any ``P`` up to ``SCAN_PLAN_MAX_PAIRS``."""
+def _pallas_radix_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool,
+                       item_rows: int | None = None) -> DecodePlan:
+    """The plan from one Pallas program that radix-sorts the pair keys
+    (``_radix_plan_kernel``): the same plan (and work items) as ``_dense_plan`` (its cut), for
+    any ``P`` up to ``RADIX_PLAN_MAX_PAIRS``."""
     t, k = expert_ids.shape
     p = t * k
     slots = min(num_experts, p)
     flat = expert_ids.reshape(p).astype(jnp.int32)
-    key, routed = _plan_keys(flat, num_experts)
-    shift = max(1, (p - 1).bit_length())
-    comp = jax.lax.sort(jax.lax.shift_left(key, jnp.int32(shift))
-                        | jnp.arange(p, dtype=jnp.int32))  # unique keys: stable by pair
     work, token_of_row, row_of_pair, *items = pl.pallas_call(
-        functools.partial(_scan_plan_kernel, p=p, k=k, num_experts=num_experts, shift=shift,
+        functools.partial(_radix_plan_kernel, p=p, k=k, num_experts=num_experts,
                           item_rows=item_rows, barrier=not interpret),
         out_shape=_plan_outputs(p, slots, item_rows),
         compiler_params=plgpu.CompilerParams(num_warps=4 if p <= 512 else 8, num_stages=1),
         interpret=interpret,
-        name="moe_decode_scan_plan",
-    )(comp)
+        name="moe_decode_radix_plan",
+    )(flat)
     return DecodePlan(work=work, token_of_row=token_of_row, row_of_pair=row_of_pair.reshape(t, k),
-                      routed=routed.reshape(t, k), items=items[0] if items else None)
+                      routed=_plan_keys(flat, num_experts)[1].reshape(t, k),
+                      items=items[0] if items else None)
 
 
 def _sorted_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:

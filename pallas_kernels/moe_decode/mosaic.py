@@ -45,13 +45,12 @@ times ``2^6`` and the global scale at the end. The scales come from global memor
 8/16/32-bit load a row and step, a step ahead. The codes keep the checkpoint's layout.
 Interpret mode builds the same operands with jnp (``_fp4_operands_jnp``).
 
-The full decode step (``moe_decode_mosaic_pairs``), five launches up to 128 pairs, six up to
-1024: the plan with its work items (``kernel.make_plan(item_rows=ROWS)``: one Pallas launch up
-to 128 pairs, then XLA's sort of the pair keys and one Pallas launch; past 1024 XLA's plan and
-its item cut, ``work_items``) -> x's f16 rows in sorted order (``rows.x_rows``) -> gate_up ->
-the activation and h's f16 rows (``rows.h_rows``) -> down; each pair's row is picked by the
-caller's combine (``kernel.pairs_of``, fused by XLA). BF16 weights take bf16 rows gathered by
-XLA.
+The full decode step (``moe_decode_mosaic_pairs``), five launches up to 1024 pairs: the plan
+with its work items (``kernel.make_plan(item_rows=ROWS)``: one Pallas launch, pairwise up to 64
+pairs, a radix sort up to 1024; past that XLA's plan and its item cut, ``work_items``) -> x's
+f16 rows in sorted order (``rows.x_rows``) -> gate_up -> the activation and h's f16 rows
+(``rows.h_rows``) -> down; each pair's row is picked by the caller's combine
+(``kernel.pairs_of``, fused by XLA). BF16 weights take bf16 rows gathered by XLA.
 """
 
 from __future__ import annotations
