@@ -327,16 +327,16 @@ def _pallas_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool,
 def _radix_plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *items_ref,
                        p: int, k: int, num_experts: int, item_rows: int | None, barrier: bool):
     """One program, O(P * bits) work: the ``p`` pair keys ``key << shift | pair`` sorted by a
-    stable LSD radix sort over the key's bits (a pass a bit: a lane's new row is the zeros
-    before it, or all zeros plus the ones before it -- cumsums -- scattered into one of two
-    global buffers, ``token_of_row_ref`` and ``row_of_pair_ref``, in turn, read back after a
-    block barrier). Lane r then holds sorted row r: a run of equal keys is one expert's rows;
-    its first lane writes the slot's expert and first row (slot: a cumsum of the run starts),
-    its last lane reads the first row back (after a barrier) and writes the row count; with
-    ``item_rows``, every row at a multiple of ``item_rows`` within its run writes the work item
-    it starts (its run's first item: a cumsum of the runs' item counts). No [p, p]
-    comparisons. ``barrier`` False in interpret mode (no lowering there; the interpreter runs
-    the stores and loads in program order)."""
+    stable LSD radix sort over the key's bits, two a pass (a lane's new row is the lanes of
+    smaller digits plus those of its digit before it -- cumsums of 16-bit counters packed two
+    to an int32 -- scattered into one of two global buffers, ``token_of_row_ref`` and
+    ``row_of_pair_ref``, in turn, read back after a block barrier). Lane r then holds sorted
+    row r: a run of equal keys is one expert's rows; its first lane writes the slot's expert
+    and first row (slot: a cumsum of the run starts), its last lane reads the first row back
+    (after a barrier) and writes the row count; with ``item_rows``, every row at a multiple of
+    ``item_rows`` within its run writes the work item it starts (its run's first item: a
+    cumsum of the runs' item counts). No [p, p] comparisons. ``barrier`` False in interpret
+    mode (no lowering there; the interpreter runs the stores and loads in program order)."""
     n = max(16, pl.next_power_of_2(p))
     shift = max(1, (p - 1).bit_length())
     r = jnp.arange(n, dtype=jnp.int32)
@@ -351,15 +351,24 @@ def _radix_plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *it
     key, _ = _plan_keys(plgpu.load(ids_ref.at[r], mask=valid, other=num_experts_), num_experts_)
     comp = jnp.where(valid, jax.lax.shift_left(key, jnp.int32(shift)) | r, past)
     buffers = (token_of_row_ref, row_of_pair_ref)
-    for b in range(num_experts.bit_length()):  # keys 0..num_experts (zero experts)
-        bit = jnp.where(valid, jax.lax.shift_right_logical(comp, jnp.int32(shift + b)) & 1, 0)
-        ones_before = jax.lax.cumsum(bit, axis=0) - bit
-        dst = jnp.where(bit == 1, jnp.int32(p) - jnp.sum(bit) + ones_before, r - ones_before)
-        buf = buffers[b % 2]
-        plgpu.store(buf.at[jnp.where(valid, dst, p)], comp, mask=valid)
+    passes = pl.cdiv(num_experts.bit_length(), 2)  # keys 0..num_experts (zero experts)
+    for i in range(passes):  # 2-bit digits d: lanes before this one with digit d by cumsums
+        d = jax.lax.shift_right_logical(comp, jnp.int32(shift + 2 * i)) & 3
+        lo = jnp.where(valid & (d < 2), jax.lax.shift_left(1, 16 * d), 0)  # d 0, 1: 16 bits each
+        hi = jnp.where(valid & (d == 2), 1, 0)
+        c_lo, c_hi = jax.lax.cumsum(lo, axis=0) - lo, jax.lax.cumsum(hi, axis=0) - hi
+        t_lo, t_hi = jnp.sum(lo), jnp.sum(hi)
+        b0, b1 = c_lo & 0xFFFF, jax.lax.shift_right_logical(c_lo, 16)
+        t0, t1 = t_lo & 0xFFFF, jax.lax.shift_right_logical(t_lo, 16)
+        before = jnp.where(d == 0, b0, jnp.where(d == 1, b1, jnp.where(d == 2, c_hi,
+                                                                          r - b0 - b1 - c_hi)))
+        base = jnp.where(d == 0, 0, jnp.where(d == 1, t0, jnp.where(d == 2, t0 + t1,
+                                                                     t0 + t1 + t_hi)))
+        buf = buffers[i % 2]
+        plgpu.store(buf.at[jnp.where(valid, base + before, p)], comp, mask=valid)
         sync()
         comp = plgpu.load(buf.at[r], mask=valid, other=past)
-    sorted_ref = buffers[(num_experts.bit_length() - 1) % 2]
+    sorted_ref = buffers[(passes - 1) % 2]
 
     def key_at(i, mask, other):
         return jax.lax.shift_right_arithmetic(
