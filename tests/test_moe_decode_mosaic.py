@@ -167,7 +167,7 @@ def test_fp4_rows_and_scales_far_apart(fmt):
 def test_work_items_cut_each_slot_into_chunks(pattern, t, k):
     """Items hold 1..16 rows of one expert, in order, covering every routed row once and no
     other row; items past the last are (E, routed rows, 0); the static bound W = U + cdiv(P,
-    16) holds. The Pallas plan launches (a pairwise program up to 64 pairs, then a radix-sort
+    16) holds. The Pallas plan launches (a pairwise program up to 32 pairs, then a radix-sort
     program) cut the same items as XLA's cut of the XLA plan."""
     ids = routing(pattern, t, k)
     plan = make_plan(ids, E)

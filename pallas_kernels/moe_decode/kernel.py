@@ -145,10 +145,11 @@ class DecodePlan(NamedTuple):
 DENSE_PLAN_MAX_PAIRS = 1024
 # Up to this many pairs the pairwise plan runs as one Pallas program (``pallas=True``): one
 # launch in place of XLA's six or seven small fusions (~7 us of a 1-token step on the H200).
-# Its [n, n] comparisons grow with the pairs squared: 3.7 us at 64 pairs, 15.2 at 128 (H200,
-# session 13, ``benchmarks/moe_decode_plan.py``); a 16-program version (each program the
-# entries of 32 pairs, the counts over all 512) took 74 us at 512 pairs (session 12).
-PALLAS_PLAN_MAX_PAIRS = 64
+# Its [n, n] comparisons grow with the pairs squared: 1.26 us at 32 pairs, 3.2 at 40, 3.7 at
+# 64, 15.2 at 128, against the radix plan's 1.76 / 2.49 / 2.4 / 2.6 (H200, session 13,
+# ``benchmarks/moe_decode_plan.py``); a 16-program version (each program the entries of 32
+# pairs, the counts over all 512) took 74 us at 512 pairs (session 12).
+PALLAS_PLAN_MAX_PAIRS = 32
 # Past it (``pallas=True``), up to this many pairs: one Pallas program that radix-sorts the
 # pair keys (``_pallas_radix_plan``), in place of XLA's pairwise plan (~10 fusions) and item cut.
 RADIX_PLAN_MAX_PAIRS = 1024

@@ -46,7 +46,7 @@ times ``2^6`` and the global scale at the end. The scales come from global memor
 Interpret mode builds the same operands with jnp (``_fp4_operands_jnp``).
 
 The full decode step (``moe_decode_mosaic_pairs``), five launches up to 1024 pairs: the plan
-with its work items (``kernel.make_plan(item_rows=ROWS)``: one Pallas launch, pairwise up to 64
+with its work items (``kernel.make_plan(item_rows=ROWS)``: one Pallas launch, pairwise up to 32
 pairs, a radix sort up to 1024; past that XLA's plan and its item cut, ``work_items``) -> x's
 f16 rows in sorted order (``rows.x_rows``) -> gate_up -> the activation and h's f16 rows
 (``rows.h_rows``) -> down; each pair's row is picked by the caller's combine
