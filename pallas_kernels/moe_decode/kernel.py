@@ -252,7 +252,7 @@ def _idle(ref, used, num_experts, num_routed):
 
 
 def _plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *items_ref, p: int,
-                 k: int, num_experts: int, slots: int, item_rows: int | None):
+                 k: int, num_experts: int, item_rows: int | None):
     """One program: ``_pairwise_plan``'s comparisons on the ``p`` pair ids (padded to a power
     of two), its entries written by scatter stores: each pair its sorted row and that row's
     token, each expert's first pair the expert's work entry (and, ``item_rows``, its work
@@ -295,34 +295,37 @@ def num_items(slots: int, pairs: int, item_rows: int) -> int:
     return slots + pl.cdiv(pairs, item_rows)
 
 
-def _plan_outputs(p: int, slots: int, item_rows: int | None):
+def _plan_call(kernel, expert_ids: jax.Array, num_experts: int, *, name: str, num_warps: int,
+               interpret: bool, item_rows: int | None) -> DecodePlan:
+    """One Pallas program ``kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref,
+    [items_ref], p=, k=, num_experts=, item_rows=)`` over the flat pair ids: the plan."""
+    t, k = expert_ids.shape
+    p = t * k
+    slots = min(num_experts, p)
+    flat = expert_ids.reshape(p).astype(jnp.int32)
     out_shape = [jax.ShapeDtypeStruct((3, slots), jnp.int32),
                  jax.ShapeDtypeStruct((p,), jnp.int32),
                  jax.ShapeDtypeStruct((p,), jnp.int32)]
     if item_rows is not None:
         out_shape.append(jax.ShapeDtypeStruct((3, num_items(slots, p, item_rows)), jnp.int32))
-    return out_shape
+    work, token_of_row, row_of_pair, *items = pl.pallas_call(
+        functools.partial(kernel, p=p, k=k, num_experts=num_experts, item_rows=item_rows),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=name,
+    )(flat)
+    return DecodePlan(work=work, token_of_row=token_of_row, row_of_pair=row_of_pair.reshape(t, k),
+                      routed=_plan_keys(flat, num_experts)[1].reshape(t, k),
+                      items=items[0] if items else None)
 
 
 def _pallas_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool,
                  item_rows: int | None = None) -> DecodePlan:
     """``_dense_plan``'s plan from one Pallas launch (P <= PALLAS_PLAN_MAX_PAIRS), with the
     work items of ``item_rows`` rows when asked."""
-    t, k = expert_ids.shape
-    p = t * k
-    slots = min(num_experts, p)
-    flat = expert_ids.reshape(p).astype(jnp.int32)
-    work, token_of_row, row_of_pair, *items = pl.pallas_call(
-        functools.partial(_plan_kernel, p=p, k=k, num_experts=num_experts, slots=slots,
-                          item_rows=item_rows),
-        out_shape=_plan_outputs(p, slots, item_rows),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="moe_decode_plan",
-    )(flat)
-    return DecodePlan(work=work, token_of_row=token_of_row, row_of_pair=row_of_pair.reshape(t, k),
-                      routed=_plan_keys(flat, num_experts)[1].reshape(t, k),
-                      items=items[0] if items else None)
+    return _plan_call(_plan_kernel, expert_ids, num_experts, name="moe_decode_plan",
+                      num_warps=4, interpret=interpret, item_rows=item_rows)
 
 
 def _radix_plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *items_ref,
@@ -416,21 +419,10 @@ def _pallas_radix_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bo
     """The plan from one Pallas program that radix-sorts the pair keys
     (``_radix_plan_kernel``): the same plan (and work items) as ``_dense_plan`` (its cut), for
     any ``P`` up to ``RADIX_PLAN_MAX_PAIRS``."""
-    t, k = expert_ids.shape
-    p = t * k
-    slots = min(num_experts, p)
-    flat = expert_ids.reshape(p).astype(jnp.int32)
-    work, token_of_row, row_of_pair, *items = pl.pallas_call(
-        functools.partial(_radix_plan_kernel, p=p, k=k, num_experts=num_experts,
-                          item_rows=item_rows, barrier=not interpret),
-        out_shape=_plan_outputs(p, slots, item_rows),
-        compiler_params=plgpu.CompilerParams(num_warps=4 if p <= 512 else 8, num_stages=1),
-        interpret=interpret,
-        name="moe_decode_radix_plan",
-    )(flat)
-    return DecodePlan(work=work, token_of_row=token_of_row, row_of_pair=row_of_pair.reshape(t, k),
-                      routed=_plan_keys(flat, num_experts)[1].reshape(t, k),
-                      items=items[0] if items else None)
+    return _plan_call(functools.partial(_radix_plan_kernel, barrier=not interpret), expert_ids,
+                      num_experts, name="moe_decode_radix_plan",
+                      num_warps=4 if expert_ids.size <= 512 else 8, interpret=interpret,
+                      item_rows=item_rows)
 
 
 def _sorted_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:
