@@ -19,6 +19,7 @@ BENCHMARKS = {
     "grouped-matmul-mosaic": "grouped_matmul_mosaic.py",
     "moe-decode": "moe_decode.py",
     "moe-decode-mosaic": "moe_decode_mosaic.py",
+    "moe-decode-plan": "moe_decode_plan.py",
     "moe-parallel": "moe_parallel.py",
 }
 KV_DTYPES = {"bf16": "bf16", "fp8": "fp8", "nvfp4": "nvfp4", "float32": "float32"}

@@ -135,3 +135,10 @@ def test_moe_decode_plan_benchmark_checks_every_builder():
     plans = _column(proc.stdout, "plan")
     assert plans == ["xla", "xla-sort", "pairwise", "radix", "xla", "xla-sort", "radix"], plans
     assert all(float(c) > 0 for c in _column(proc.stdout, "scan_us")), proc.stdout[-3000:]
+
+
+def test_every_bench_name_has_its_script():
+    from atlas_jax import cli
+
+    for name, script in cli.BENCHMARKS.items():
+        assert (ROOT / "benchmarks" / script).is_file(), name
