@@ -509,6 +509,11 @@ def test_radix_plan_at_decode_sizes(e, t, k):
     np.testing.assert_array_equal(plan.items, work_items(dense, e))
 
 
+def test_radix_plan_refuses_pairs_past_its_counters():
+    with pytest.raises(ValueError, match="at most 65535"):
+        _pallas_radix_plan(jnp.zeros((8192, 8), jnp.int32), E, interpret=True)
+
+
 @pytest.mark.parametrize("t,pallas", [(1, True), (4, True), (5, True), (128, True),
                                       (129, True), (4, False)])
 def test_make_plan_takes_one_pallas_launch_up_to_its_bound(t, pallas):

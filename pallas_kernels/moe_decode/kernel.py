@@ -419,6 +419,8 @@ def _pallas_radix_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bo
     """The plan from one Pallas program that radix-sorts the pair keys
     (``_radix_plan_kernel``): the same plan (and work items) as ``_dense_plan`` (its cut), for
     any ``P`` up to ``RADIX_PLAN_MAX_PAIRS``."""
+    if expert_ids.size >= 1 << 16:  # the sort's digit counters are 16-bit fields
+        raise ValueError(f"radix plan: {expert_ids.size} pairs, at most {(1 << 16) - 1}")
     return _plan_call(functools.partial(_radix_plan_kernel, barrier=not interpret), expert_ids,
                       num_experts, name="moe_decode_radix_plan",
                       num_warps=4 if expert_ids.size <= 512 else 8, interpret=interpret,
