@@ -16,8 +16,7 @@ Pallas launches, which can also cut the slots into the Mosaic GPU kernels' work 
 the pair ids (no sort; the entries written by scatter stores; XLA's form of the same algebra
 takes six or seven small fusions), up to ``RADIX_PLAN_MAX_PAIRS`` one program that radix-sorts
 the pair keys and reads the runs off them (O(P * key bits) work: cumsums, scatter stores, block
-barriers).
-Without Pallas, and past that bound: the pairwise algebra in XLA up to
+barriers). Without Pallas, and past that bound: the pairwise algebra in XLA up to
 ``DENSE_PLAN_MAX_PAIRS``, then a sort, a cumsum and scatters in XLA.
 
 Kernel 1 (gate_up), grid ``(U, cdiv(I, block_n))``: the program of slot u gathers its rows of
