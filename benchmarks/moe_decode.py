@@ -277,13 +277,11 @@ def bench(shapes, formats, token_counts, *, hbm: float, loops: int,
                     row["us"] = err
                     rows.append(row)
                     continue
-                row.update(us=t * 1e6, GBps=nbytes / t / 1e9, frac_hbm=nbytes / t / hbm,
-                           bound_us=(nbytes / hbm + 10e-6) * 1e6)
+                row["bound_us"] = (nbytes / hbm + 10e-6) * 1e6
+                tt = None
                 if compare_triton:  # the Triton decode kernels on the same step
                     tt, err = _time(TRITON_DECODE, p, xs, loops)
                     row["triton_us"] = tt * 1e6 if tt else err
-                    if tt:
-                        row["vs_triton"] = tt / t
                     bt, _ = _time(TRITON_DECODE, p, xs, loops, busy=True)
                     if bt:
                         row["triton_busy_us"] = bt[0] * 1e6
@@ -293,14 +291,14 @@ def bench(shapes, formats, token_counts, *, hbm: float, loops: int,
                 if busy:
                     row.update(busy_us=busy[0] * 1e6, launches=busy[1],
                                busy_frac_hbm=nbytes / busy[0] / hbm)
+                times = [t] + [_time(PALLAS, p, xs, loops)[0] for _ in range(step_repeats - 1)]
+                times = [v for v in times if v is not None]
+                t = float(np.median(times))
+                row.update(us=t * 1e6, GBps=nbytes / t / 1e9, frac_hbm=nbytes / t / hbm)
                 if step_repeats > 1:
-                    times = [t] + [_time(PALLAS, p, xs, loops)[0] for _ in range(step_repeats - 1)]
-                    times = [v for v in times if v is not None]
-                    t = float(np.median(times))
-                    row.update(us=t * 1e6, GBps=nbytes / t / 1e9, frac_hbm=nbytes / t / hbm,
-                               us_range=f"{min(times) * 1e6:.3g}-{max(times) * 1e6:.3g}")
-                    if compare_triton and tt:
-                        row["vs_triton"] = tt / t
+                    row["us_range"] = f"{min(times) * 1e6:.3g}-{max(times) * 1e6:.3g}"
+                if tt:
+                    row["vs_triton"] = tt / t
                 if name in peer_formats:
                     for label, kc in (("ragged_dot", RAGGED_DOT), ("xla_decode", XLA_DECODE)):
                         # the XLA paths take 0.1-30 ms a step: fewer loops
