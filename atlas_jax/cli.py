@@ -21,6 +21,7 @@ BENCHMARKS = {
     "moe-decode-mosaic": "moe_decode_mosaic.py",
     "moe-decode-plan": "moe_decode_plan.py",
     "moe-parallel": "moe_parallel.py",
+    "moe-router": "moe_router.py",
 }
 KV_DTYPES = {"bf16": "bf16", "fp8": "fp8", "nvfp4": "nvfp4", "float32": "float32"}
 DTYPES = ("bf16", "float32")

@@ -161,6 +161,7 @@ _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
     "scaling": RopeScaling,
     "grouped_matmul": Backend,
     "paged_attention": Backend,
+    "router": Backend,
     "moe_path": MoEPath,
     "gmm_kernel": GmmKernel,
     "decode_kernel": GmmKernel,
@@ -568,6 +569,7 @@ class KernelConfig:
 
     grouped_matmul: Backend = Backend.AUTO  # expert matmuls: "auto" | "pallas" | "xla"
     paged_attention: Backend = Backend.AUTO  # attention over the paged cache
+    router: Backend = Backend.AUTO  # routing's top-k and weights: "auto" | "pallas" | "xla"
     moe_path: MoEPath = MoEPath.AUTO  # "auto" | "decode" | "prefill" variant of moe_forward
     decode_max_tokens: int = 64  # "auto" takes the decode path for T * k <= this * k
     gmm_block_m: int | None = None  # grouped matmul rows per tile (engine _M256 -> 256)

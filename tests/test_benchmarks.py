@@ -137,6 +137,17 @@ def test_moe_decode_plan_benchmark_checks_every_builder():
     assert all(float(c) > 0 for c in _column(proc.stdout, "scan_us")), proc.stdout[-3000:]
 
 
+def test_router_benchmark_checks_both_routers():
+    """The router benchmark (interpret mode off GPU) routes the same way with both routers (it
+    asserts so) and times each."""
+    proc = subprocess.run([sys.executable, "benchmarks/moe_router.py", "--shapes", "tiny-gpt-oss",
+                           "--tokens", "3", "--loops", "1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _column(proc.stdout, "router") == ["xla", "pallas"], proc.stdout[-3000:]
+    assert all(float(c) > 0 for c in _column(proc.stdout, "scan_us")), proc.stdout[-3000:]
+
+
 def test_every_bench_name_has_its_script():
     from atlas_jax import cli
 

@@ -1,6 +1,7 @@
 """Config dataclasses: validation, hashing, enum coercion, HF config.json parsing."""
 
 import dataclasses
+import enum
 import re
 from pathlib import Path
 
@@ -36,6 +37,16 @@ def test_strings_coerce_to_enums():
     assert moe(expert_format="nvfp4").expert_format is C.Format.NVFP4
     with pytest.raises(ValueError, match=r"KernelConfig.grouped_matmul='cuda': must be one of"):
         aj.KernelConfig(grouped_matmul="cuda")
+
+
+@pytest.mark.parametrize("cls", [aj.MoEConfig, aj.AttentionConfig, aj.RopeConfig,
+                                 aj.KernelConfig])
+def test_every_enum_field_coerces_its_strings(cls):
+    """Every field whose default is an enum member is in the coercion table (a field missing
+    there kept the string, and ``is Backend.PALLAS`` checks then quietly failed)."""
+    for f in dataclasses.fields(cls):
+        if isinstance(f.default, enum.Enum):
+            assert C._ENUM_FIELDS.get(f.name) is type(f.default), f"{cls.__name__}.{f.name}"
 
 
 @pytest.mark.parametrize(

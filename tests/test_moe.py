@@ -190,6 +190,36 @@ def test_router_matches_naive_loop(name):
         np.testing.assert_allclose([got[i] for i in ids], w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", sorted(set(ROUTERS) - {"deepseek_v4_hash"}))
+@pytest.mark.parametrize("t", [1, 13])
+def test_pallas_router_equals_xla_router(name, t):
+    """``KernelConfig.router``: the Pallas router (interpret mode on CPU) routes as XLA's."""
+    p = make(name)
+    x = tokens(t)
+    want = aj.moe.route(p, x, kernels=aj.KernelConfig(router="xla"))
+    got = aj.moe.route(p, x, kernels=aj.KernelConfig(router="pallas"))
+    np.testing.assert_array_equal(got.expert_ids, want.expert_ids)
+    np.testing.assert_allclose(got.weights, want.weights, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("router", ["xla", "pallas"])
+def test_router_at_decode_size_picks_k_distinct_experts(router):
+    """Qwen3-30B-A3B's router (H 2048, E 128, k 8) at 8 tokens: k distinct ids a token, those
+    of ``jax.lax.top_k`` on the logits. On the H200, XLA fused the router matmul's split-K sum
+    into the rank top-k's comparisons, recomputed it per use not bit-identically, and picked
+    expert 0 twice (fixed by materializing the values first)."""
+    from atlas_jax.moe.routing import router_logits
+
+    cfg = MoEConfig(hidden_size=2048, intermediate_size=16, num_experts=128, top_k=8)
+    p = aj.moe.init_params(jax.random.key(0), cfg)
+    x = jax.random.normal(jax.random.key(1), (8, 2048), jnp.bfloat16)
+    fn = jax.jit(lambda p, x: aj.moe.route(p, x, kernels=aj.KernelConfig(router=router)))
+    ids = np.asarray(fn(p, x).expert_ids)
+    assert all(len(set(row)) == 8 for row in ids), ids
+    want = jax.lax.top_k(jax.jit(router_logits)(p, x), 8)[1]
+    np.testing.assert_array_equal(ids, want)
+
+
 @pytest.mark.parametrize("shape,k", [((1, 128), 8), ((13, 64), 6), ((5, 8, 32), 2),
                                      ((3, 16), 16), ((300, 128), 8)])
 def test_top_k_equals_lax_top_k(shape, k):

@@ -51,7 +51,7 @@ def moe_forward(
     x2 = check_tokens(x, cfg)
     if x2.shape[0] == 0:
         return jnp.zeros_like(x)
-    r = route(params, x2, token_ids)
+    r = route(params, x2, token_ids, kernels=kernels)
     xe = x2
     if params.pre_expert_norm is not None:
         xe = (rms_normalize(x2, cfg.rms_norm_eps) * params.pre_expert_norm.astype(jnp.float32)

@@ -335,7 +335,7 @@ def _expert_parallel_body(fields: dict[str, Any], x: jax.Array, valid: jax.Array
     rep = _Replicated(get("router"), get("router_bias"), get("selection_bias"), get("tid2eid"),
                       get("router_scale"), pes, get("shared_gate_up"), get("shared_down"),
                       get("shared_gate"), cfg)
-    r = route(rep, x, token_ids)  # the single-device router on this device's tokens
+    r = route(rep, x, token_ids, kernels=kernels)  # the single-device router, this device's tokens
     ids = jnp.where(valid[:, None], r.expert_ids, e)  # padding tokens: never dispatched
     xe = x
     if get("pre_expert_norm") is not None:

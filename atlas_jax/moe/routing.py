@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from atlas_jax._checks import check_in_range
-from atlas_jax.config import MoEConfig, RouterScoring
+from atlas_jax.config import Backend, KernelConfig, MoEConfig, RouterScoring
 from atlas_jax.moe.params import MoEParams
 
 
@@ -44,8 +44,11 @@ def router_logits(params: MoEParams, x: jax.Array) -> jax.Array:
     if cfg.gemma_router:
         x = rms_normalize(x, cfg.rms_norm_eps) * params.router_scale.astype(jnp.float32)
         x = x * cfg.hidden_size**-0.5
+    # float32 routers at full float32 precision (XLA's GPU default would take TF32: weights
+    # ~1e-4 off transformers' fp32 router on the H200)
+    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
     logits = jnp.einsum("th,eh->te", x.astype(dtype), params.router.astype(dtype),
-                        preferred_element_type=jnp.float32).astype(dtype)
+                        preferred_element_type=jnp.float32, precision=precision).astype(dtype)
     if params.router_bias is not None:
         logits = logits + params.router_bias.astype(dtype)
     return logits.astype(jnp.float32)
@@ -87,7 +90,11 @@ def top_k(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     if values.size * e > PAIRWISE_TOPK_MAX:
         vals, ids = jax.lax.top_k(values, k)
         return vals, ids.astype(jnp.int32)
-    bits = jax.lax.bitcast_convert_type(values.astype(jnp.float32), jnp.int32)
+    # Materialized first: fused into the comparisons, XLA on the GPU recomputed the values (the
+    # router matmul's split-K sum) per use, not bit-identically, so ranks repeated and went
+    # missing (duplicate ids, expert 0 picked twice; H200, Qwen3-30B-A3B at 8 tokens).
+    values = jax.lax.optimization_barrier(values.astype(jnp.float32))
+    bits = jax.lax.bitcast_convert_type(values, jnp.int32)
     key = jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # [..., E], ordered as the floats
     idx = jnp.arange(e, dtype=jnp.int32)
     above = (key[..., None, :] > key[..., :, None]) | (
@@ -173,12 +180,22 @@ def route_logits(params: MoEParams, logits: jax.Array, token_ids: jax.Array | No
     return _finish(scores, ids, params)
 
 
-def route(params: MoEParams, x: jax.Array, token_ids: jax.Array | None = None) -> Routing:
-    """Route tokens: ``x [T, H]`` (or [B, S, H], flattened) -> Routing of ``[T, k]``."""
+def route(params: MoEParams, x: jax.Array, token_ids: jax.Array | None = None, *,
+          kernels: KernelConfig | None = None) -> Routing:
+    """Route tokens: ``x [T, H]`` (or [B, S, H], flattened) -> Routing of ``[T, k]``.
+
+    ``kernels.router`` picks the selection's implementation (``ops.router_backend``): this
+    module's ``route_logits`` ("xla") or the Pallas router ("pallas"; "auto" on a GPU)."""
+    from atlas_jax import ops
+
     cfg = params.config
     x2 = check_tokens(x, cfg)
     token_ids = check_token_ids(token_ids, cfg, x2.shape[0])
-    return route_logits(params, router_logits(params, x2), token_ids)
+    logits = router_logits(params, x2)
+    if ops.router_backend(cfg, kernels) is Backend.PALLAS:
+        return Routing(*ops.route_pallas(logits, cfg, params.selection_bias,
+                                         params.per_expert_scale))
+    return route_logits(params, logits, token_ids)
 
 
 def check_token_ids(token_ids, cfg: MoEConfig, num_tokens: int) -> jax.Array | None:
