@@ -80,7 +80,7 @@ def _kernels(kernels: KernelConfig | str | None) -> KernelConfig | None:
     if kernels is None or isinstance(kernels, KernelConfig):
         return kernels
     if isinstance(kernels, str):
-        return KernelConfig(grouped_matmul=kernels, paged_attention=kernels)
+        return KernelConfig(grouped_matmul=kernels, paged_attention=kernels, router=kernels)
     raise TypeError(f"kernels: expected a KernelConfig, 'auto', 'xla', 'pallas' or None, "
                     f"got {type(kernels).__name__}")
 
