@@ -220,6 +220,22 @@ def test_router_at_decode_size_picks_k_distinct_experts(router):
     np.testing.assert_array_equal(ids, want)
 
 
+@pytest.mark.parametrize("router_dtype", ["float32", "bfloat16"])
+def test_router_logits_row_sum_equals_the_matmul(router_dtype, monkeypatch):
+    """Few tokens take the router matmul as a multiply + row sum; both forms agree (the bf16
+    router: to a bf16 ulp, where the two f32 sums round across a bf16 boundary)."""
+    from atlas_jax.moe import routing
+
+    p = make("gpt_oss", router_dtype=router_dtype)
+    x = tokens(5)
+    rows = routing.router_logits(p, x)
+    assert 5 * p.router.size <= routing.ROUTER_REDUCE_MAX_PRODUCTS
+    monkeypatch.setattr(routing, "ROUTER_REDUCE_MAX_PRODUCTS", 0)
+    gemm = routing.router_logits(p, x)
+    tol = 1e-6 if router_dtype == "float32" else 8e-3
+    np.testing.assert_allclose(rows, gemm, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("shape,k", [((1, 128), 8), ((13, 64), 6), ((5, 8, 32), 2),
                                      ((3, 16), 16), ((300, 128), 8)])
 def test_top_k_equals_lax_top_k(shape, k):

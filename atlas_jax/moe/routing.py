@@ -37,12 +37,15 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-# Up to this many tokens the router matmul is a multiply and a row sum: one XLA reduction
-# fusion reading the router weight once (the other tokens' reads hit L2). As a GEMM, XLA on the
-# H200 ran a split-K GEMM plus a partial-sum fusion every decode step (Qwen3-30B-A3B at 8
-# tokens: 3.3 + 1.2 us) and, where H is no multiple of its K block, two pad fusions first
-# (gpt-oss-120b's H = 2880: 1.3 + 1.8 us).
-ROUTER_REDUCE_MAX_TOKENS = 16
+# Up to this many products (T x E x H) the router matmul is a multiply and a row sum: one XLA
+# reduction fusion reading the router weight once from HBM, each further token re-reading it
+# from L2 (hence a bound on T x the weight, not on T). As a GEMM, XLA on the H200 ran a split-K
+# GEMM plus a partial-sum fusion every decode step (Qwen3-30B-A3B at 8 tokens: 3.3 + 1.2 us)
+# and, where H is no multiple of its K block, two pad fusions first (gpt-oss-120b's H = 2880:
+# 1.3 + 1.8 us); the row sum measured 4.4 / 4.7 us with the router kernel at 8 tokens (routing
+# alone, was 6.1 / 10.0). The bound takes Qwen3 up to 24 tokens and gpt-oss up to 17 (measured
+# at 1, 8, 16), DeepSeek-V3 (E 256, H 7168) up to 3 (not measured).
+ROUTER_REDUCE_MAX_PRODUCTS = 6 << 20
 
 
 def router_logits(params: MoEParams, x: jax.Array) -> jax.Array:
@@ -53,7 +56,7 @@ def router_logits(params: MoEParams, x: jax.Array) -> jax.Array:
         x = rms_normalize(x, cfg.rms_norm_eps) * params.router_scale.astype(jnp.float32)
         x = x * cfg.hidden_size**-0.5
     xs, w = x.astype(dtype), params.router.astype(dtype)
-    if x.shape[0] <= ROUTER_REDUCE_MAX_TOKENS:  # products in f32 (exact for bf16), f32 sums
+    if x.shape[0] * w.size <= ROUTER_REDUCE_MAX_PRODUCTS:  # f32 products (exact for bf16)
         logits = jnp.sum(xs.astype(jnp.float32)[:, None, :] * w.astype(jnp.float32)[None],
                          axis=-1).astype(dtype)
     else:
