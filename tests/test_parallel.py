@@ -108,6 +108,24 @@ def test_w8a8_equals_single_device():
     assert rel_err(y, w8a16) > 5e-3, rel_err(y, w8a16)
 
 
+def test_pallas_router_inside_shard_map():
+    """KernelConfig.router="pallas" (interpret mode on CPU) inside the expert-parallel body:
+    the same result as the one-device forward with XLA's router."""
+    p = make("deepseek_v3")
+    x = tokens(12, seed=5)
+    mesh = mesh_of(4)
+    kernels = aj.KernelConfig(router="pallas")
+
+    def fwd(p, x):
+        return aj.moe_forward(p, x, mesh=mesh, kernels=kernels)
+
+    sharded = aj.moe.shard(p, mesh)
+    assert "name=moe_router" in str(jax.make_jaxpr(fwd)(sharded, x))  # the kernel is traced
+    y = compiled(fwd, sharded, x)
+    ref = single_device(p, x)
+    assert rel_err(y, ref) < 1e-5, rel_err(y, ref)
+
+
 # ---- skewed routing: one device gets most rows, others none -----------------------------------
 
 
