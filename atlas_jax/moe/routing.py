@@ -21,6 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from atlas_jax import ops
 from atlas_jax._checks import check_in_range
 from atlas_jax.config import Backend, KernelConfig, MoEConfig, RouterScoring
 from atlas_jax.moe.params import MoEParams
@@ -202,8 +203,6 @@ def route(params: MoEParams, x: jax.Array, token_ids: jax.Array | None = None, *
 
     ``kernels.router`` picks the selection's implementation (``ops.router_backend``): this
     module's ``route_logits`` ("xla") or the Pallas router ("pallas"; "auto" on a GPU)."""
-    from atlas_jax import ops
-
     cfg = params.config
     x2 = check_tokens(x, cfg)
     token_ids = check_token_ids(token_ids, cfg, x2.shape[0])

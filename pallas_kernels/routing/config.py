@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jax.experimental import pallas as pl
+
 from pallas_kernels._enums import CoercibleEnum
 
 
@@ -72,12 +74,9 @@ BLOCK_ELEMENTS = 256
 MAX_BLOCK_TOKENS = 16
 
 
-def next_pow2(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
-
-
 def block_tokens(num_tokens: int, num_outputs: int) -> int:
     """Tokens a program routes: a power of two, its block at most ``BLOCK_ELEMENTS`` (at least
     one token), at most ``MAX_BLOCK_TOKENS``, no more than the tokens need."""
-    fit = max(1, BLOCK_ELEMENTS // next_pow2(num_outputs))
-    return min(MAX_BLOCK_TOKENS, next_pow2(fit + 1) // 2, next_pow2(max(num_tokens, 1)))
+    fit = max(1, BLOCK_ELEMENTS // pl.next_power_of_2(num_outputs))
+    return min(MAX_BLOCK_TOKENS, 1 << (fit.bit_length() - 1),  # the power of two <= fit
+               pl.next_power_of_2(max(num_tokens, 1)))

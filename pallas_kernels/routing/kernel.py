@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.routing.config import RouterRule, Scoring, block_tokens, next_pow2
+from pallas_kernels.routing.config import RouterRule, Scoring, block_tokens
 
 _LOWEST = jnp.iinfo(jnp.int32).min
 # One warp a program: the k rounds' row reductions stay warp shuffles (no shared memory, no
@@ -80,7 +80,7 @@ def _group_mask(choice, valid, cols, rule: RouterRule, e: int):
     per_group, g = e // rule.n_group, rule.n_group
     group = cols // per_group  # [B, N]
     key = _order_key(choice)
-    gcols = jax.lax.broadcasted_iota(jnp.int32, (choice.shape[0], next_pow2(g)), 1)
+    gcols = jax.lax.broadcasted_iota(jnp.int32, (choice.shape[0], pl.next_power_of_2(g)), 1)
     gscore = jnp.zeros(gcols.shape, jnp.float32)
     for i in range(g):
         (_, k1, _), (_, k2, _) = _select(key, valid & (group == i), cols, 2)
@@ -101,7 +101,7 @@ def _router_kernel(logits_ref, *refs, t: int, e: int, rule: RouterRule, block: i
     scale_ref = refs.pop(0) if expert_scale else None
     ids_ref, weights_ref = refs
     k = rule.k
-    n, kp = next_pow2(e), next_pow2(k)
+    n, kp = pl.next_power_of_2(e), pl.next_power_of_2(k)
     rows = pl.program_id(0) * block + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (block, n), 1)
     valid = (cols < e) & (rows < t)  # [B, N]
