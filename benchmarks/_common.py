@@ -74,10 +74,13 @@ def device_busy(fn: Callable, *args, calls: int = 20) -> tuple[float, float] | N
     return sum(s for _, s, _ in kernels), sum(n for _, _, n in kernels)
 
 
-def device_kernels(fn: Callable, *args, calls: int = 20) -> list[tuple[str, float, float]] | None:
+def device_kernels(fn: Callable, *args, calls: int = 20,
+                   by_order: bool = False) -> list[tuple[str, float, float]] | None:
     """``(name, GPU seconds per call, launches per call)`` of each kernel or copy that ``fn``
     launches, longest first (CUPTI through ``torch.profiler``, as ``device_busy``); None
-    without torch."""
+    without torch. ``by_order``: a kernel launched n > 1 times a call (the two Mosaic GPU
+    decode launches share a name) gets a row per launch, ``#i name`` for its i-th launch of
+    the call in start order."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -89,6 +92,24 @@ def device_kernels(fn: Callable, *args, calls: int = 20) -> list[tuple[str, floa
         for _ in range(calls):
             out = fn(*args)
         jax.block_until_ready(out)
+    if by_order:
+        events = sorted((ev for ev in prof.events()
+                         if ev.device_type == torch.autograd.DeviceType.CUDA),
+                        key=lambda ev: ev.time_range.start)
+        per_call = {}
+        for ev in events:
+            per_call[ev.name] = per_call.get(ev.name, 0) + 1 / calls
+        seen, totals = {}, {}
+        for ev in events:
+            n = round(per_call[ev.name])
+            i = seen.get(ev.name, 0)
+            seen[ev.name] = i + 1
+            key = f"#{i % n} {ev.name}" if n > 1 and abs(per_call[ev.name] - n) < 1e-6 \
+                else ev.name
+            total, count = totals.get(key, (0.0, 0))
+            totals[key] = (total + ev.time_range.elapsed_us(), count + 1)
+        rows = [(k, t * 1e-6 / calls, c / calls) for k, (t, c) in totals.items()]
+        return sorted(rows, key=lambda r: -r[1])
     rows = []
     for ev in prof.key_averages():
         t = getattr(ev, "self_device_time_total", None)

@@ -57,7 +57,7 @@ def main() -> None:
         if args.profile:
             xs = token_sets(t, p.config.hidden_size)
             call = rotating(functools.partial(step, kernels=PALLAS), p, xs)
-            kernels = device_kernels(call)
+            kernels = device_kernels(call, by_order=True)
             if kernels is None:
                 sys.exit("--profile needs torch (CUPTI through torch.profiler)")
             total = sum(s for _, s, _ in kernels)

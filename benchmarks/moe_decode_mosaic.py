@@ -135,7 +135,8 @@ def bench(shapes, formats, token_counts, stages, *, hbm: float, profile: bool = 
                         call = functools.partial(jax.jit(fn), arrays)
                         busy = device_busy(call, xs[0])
                         if profile:
-                            for kname, sec, count in device_kernels(call, xs[0]) or []:
+                            launches = device_kernels(call, xs[0], by_order=True) or []
+                            for kname, sec, count in launches:
                                 print(f"  {name} {tokens} tok: {sec * 1e6:7.2f} us x{count:g} "
                                       f"{kname[:90]}")
                         if busy:
