@@ -14,7 +14,7 @@ from jax._src import mesh as mesh_lib
 from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout
 from pallas_kernels.grouped_matmul.reference import GPT_OSS_ALPHA, rounded
 from pallas_kernels.moe_decode.kernel import _epilogue
-from pallas_kernels.moe_decode.mosaic import fp4_operand_order
+from pallas_kernels.moe_decode.mosaic import expert_of_rows, fp4_operand_order
 from pallas_kernels.moe_decode.rows import h_rows, operand_source, rows_reference, x_rows
 
 # compiled on a GPU: XLA on the GPU may drop the interpreter's bf16 rounding of h (excess
@@ -64,21 +64,26 @@ def test_x_rows(block_k, p, h):
     (GateUpLayout.INTERLEAVED, Activation.GPT_OSS, 7.0, True, 64),  # gpt-oss
 ])
 def test_h_rows(splits, layout, activation, limit, bias, block_k):
-    """h row r: the partials of row r summed, times x's factor, the bias added, ``act(gate) *
-    up`` rounded to bf16, then scaled like x (and ordered for FP4)."""
+    """h row r: the partials of row r summed, times x's factor, its expert's bias added (the
+    expert of the work item holding the row; rows no item holds: expert 0), ``act(gate) * up``
+    rounded to bf16, then scaled like x (and ordered for FP4)."""
     rows, inter = 24, 384  # not a power of two
     gu = spread_rows(jax.random.key(splits), splits * rows, 2 * inter)
     factor = 2.0 ** jax.random.randint(jax.random.key(1), (rows,), -20, 5).astype(jnp.float32)
-    bias_rows = jax.random.normal(jax.random.key(2), (rows, 2 * inter)) if bias else None
-    h, h_factor = h_rows(gu, factor, splits=splits, bias_rows=bias_rows, activation=activation,
-                         layout=layout, limit=limit, block_k=block_k,
-                         interpret=INTERPRET)
+    table = jax.random.normal(jax.random.key(2), (5, 2 * inter)).astype(jnp.bfloat16)
+    # (expert, first row, rows): rows 0-4, 5-20, 21-22; row 23 no item's; an idle item
+    items = jnp.asarray(np.array([[3, 0, 5], [1, 5, 16], [4, 21, 2], [5, 23, 0]]).T, jnp.int32)
+    h, h_factor = h_rows(gu, factor, splits=splits, bias=table if bias else None,
+                         items=items if bias else None, activation=activation, layout=layout,
+                         limit=limit, block_k=block_k, interpret=INTERPRET)
     total = gu[:rows]
     for s in range(1, splits):
         total = total + gu[s * rows:(s + 1) * rows]
     total = total * factor[:, None]
     if bias:
-        total = total + bias_rows
+        expert = expert_of_rows(items, rows)
+        np.testing.assert_array_equal(expert, [3] * 5 + [1] * 16 + [4] * 2 + [0])
+        total = total + table.astype(jnp.float32)[expert]
     if layout is GateUpLayout.INTERLEAVED:
         gate, up = total[:, 0::2], total[:, 1::2]
     else:
@@ -102,16 +107,26 @@ def test_rows_lower_to_triton_for_h200(fp4):
                              (2880, 2880, GateUpLayout.INTERLEAVED)):
         bk = (128 if h % 128 == 0 else 64) if fp4 else None
 
-        def f(x, token, gu, bias, h=h, inter=inter, layout=layout, bk=bk):
+        def f(x, token, gu, bias, items, h=h, inter=inter, layout=layout, bk=bk):
             a, factor = x_rows(x, token, 88, block_k=bk)
-            return a, h_rows(gu, factor, splits=2, bias_rows=bias, layout=layout,
+            return a, h_rows(gu, factor, splits=2, bias=bias, items=items, layout=layout,
                              activation=Activation.GPT_OSS, limit=7.0, block_k=bk)
 
         with jax.sharding.use_abstract_mesh(mesh):
             lowered = jax.jit(functools.partial(f)).trace(
                 sd((8, h), jnp.bfloat16), sd((64,), jnp.int32), sd((176, 2 * inter), jnp.float32),
-                sd((88, 2 * inter), jnp.float32)).lower(lowering_platforms=("cuda",))
+                sd((128, 2 * inter), jnp.bfloat16),
+                sd((3, 132), jnp.int32)).lower(lowering_platforms=("cuda",))
         assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2
+
+
+def test_h_rows_bias_needs_items():
+    gu, factor = jnp.ones((8, 256)), jnp.ones((8,))
+    with pytest.raises(ValueError, match="come together"):
+        h_rows(gu, factor, bias=jnp.ones((4, 256)), interpret=True)
+    with pytest.raises(ValueError, match=r"expected bias \[E, 256\] and items \[3, W\]"):
+        h_rows(gu, factor, bias=jnp.ones((4, 128)), items=jnp.zeros((3, 2), jnp.int32),
+               interpret=True)
 
 
 def test_round_to_bf16_is_the_cast():

@@ -896,22 +896,15 @@ def moe_decode_mosaic_pairs(
     def order(t):  # FP4: the activations in the operand column order of t's K steps
         return t.block_k if packed == 2 else None
 
-    bias_rows = None
-    if gate_up_bias is not None or down_bias is not None:
-        expert_of_row = plan.work[0][_slot_of_row(plan, rows)]  # [R] (unowned rows: any)
-
-        def bias_rows(b):
-            return jnp.take(b.astype(jnp.float32), expert_of_row, axis=0, mode="clip")
-
     xs = None if extra is None else (extra.gate_up, extra.gate_up_scale,
                                      extra.gate_up_global_scale)
-    gu_bias = None if gate_up_bias is None else bias_rows(gate_up_bias)
     if fmt == "bf16":  # bf16 rows, the glue in XLA
         token = jnp.pad(plan.token_of_row, (0, rows - p))  # [R] (extra rows: token 0)
         gu = launch(x[token], gate_up, gate_up_scale, gate_up_global_scale, xs, tile[0],
                     k_splits[0]).reshape(k_splits[0], rows, two_i).sum(axis=0)
-        if gu_bias is not None:
-            gu = gu + gu_bias
+        if gate_up_bias is not None:
+            gu = gu + jnp.take(gate_up_bias.astype(jnp.float32), expert_of_rows(work, rows),
+                               axis=0)
         if layout is GateUpLayout.INTERLEAVED:
             gate, up = gu[:, 0::2], gu[:, 1::2]
         else:
@@ -925,7 +918,8 @@ def moe_decode_mosaic_pairs(
                            interpret=interpret)
         gu = launch(a, gate_up, gate_up_scale, gate_up_global_scale, xs, tile[0],
                     k_splits[0])  # [S * R, 2I]
-        h, factor = h_rows(gu, factor, splits=k_splits[0], bias_rows=gu_bias,
+        h, factor = h_rows(gu, factor, splits=k_splits[0], bias=gate_up_bias,
+                           items=None if gate_up_bias is None else work,
                            activation=activation, layout=layout, limit=limit, alpha=alpha,
                            block_k=order(tile[1]), interpret=interpret)
     xs = None if extra is None else (extra.down, extra.down_scale, extra.down_global_scale)
@@ -933,16 +927,17 @@ def moe_decode_mosaic_pairs(
                k_splits[1]).reshape(k_splits[1], rows, hidden)  # [S, R, H]
     if factor is not None:
         y = y * factor[None, :, None]
-    if down_bias is not None:  # once, on the first split's rows
-        y = y.at[0].add(bias_rows(down_bias))
-    return pairs_of(y, plan)
+    pairs = pairs_of(y, plan)
+    if down_bias is not None:  # each routed pair its expert's (fused into the pick by XLA)
+        pick = jnp.take(down_bias.astype(jnp.float32), jnp.clip(expert_ids, 0, e - 1), axis=0)
+        pairs = pairs + jnp.where(plan.routed[..., None], pick, 0.0)
+    return pairs
 
 
-def _slot_of_row(plan: DecodePlan, rows: int) -> jax.Array:
-    """``[rows]`` the slot of each sorted row (rows past the routed ones: the last busy
-    slot)."""
-    first = plan.work[1]  # [U] increasing over the busy slots
-    busy = plan.work[2] > 0
-    r = jnp.arange(rows, dtype=jnp.int32)
-    hits = busy[None, :] & (first[None, :] <= r[:, None])  # [P, U]
-    return jnp.maximum(jnp.sum(hits.astype(jnp.int32), axis=1) - 1, 0)
+def expert_of_rows(items: jax.Array, rows: int) -> jax.Array:
+    """``[rows]`` the expert of each sorted row: that of the work item ``[3, W]`` (expert,
+    first row, rows) holding it; 0 for a row no item holds (as ``rows.h_rows`` finds it)."""
+    expert, first, count = items
+    r = jnp.arange(rows, dtype=jnp.int32)[:, None]
+    owns = (first[None, :] <= r) & (r < (first + count)[None, :])  # [rows, W]
+    return jnp.sum(jnp.where(owns, expert[None, :], 0), axis=1)

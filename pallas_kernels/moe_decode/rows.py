@@ -8,7 +8,8 @@ reduction, the scaled copy its consumer; each a launch of ~1-1.5 us on the H200)
 
 - ``x_rows``: row r is token ``token_of_row[r]``'s row of x (rows past the P pairs: token 0's).
 - ``h_rows``: row r of the gate_up launch's output (its K-split partials summed, times the row's
-  factor back), the biases added, ``act(gate) * up`` rounded to bf16 (as the Triton path
+  factor back), its expert's gate_up bias added (the expert found in the work items, the bias
+  row read from the ``[E, 2I]`` table), ``act(gate) * up`` rounded to bf16 (as the Triton path
   stores h), then scaled like x.
 
 Each returns ``(rows [R, K] f16, factor [R] f32)``: ``rows * factor`` is the row as computed.
@@ -76,10 +77,21 @@ def _x_rows_kernel(token_ref, x_ref, rows_ref, factor_ref, *, p: int, block_k: i
     _store_scaled(rows_ref, factor_ref, r, v, pos, valid)
 
 
+def _expert_of_row(items_ref, r):
+    """The expert of sorted row ``r``: that of the work item ``[3, W]`` (expert, first row,
+    rows) holding it; 0 for a row no item holds."""
+    w = items_ref.shape[1]
+    i = jnp.arange(max(16, pl.next_power_of_2(w)), dtype=jnp.int32)
+    valid = i < w
+    expert, first, count = (plgpu.load(items_ref.at[jnp.int32(f), i], mask=valid, other=0)
+                            for f in range(3))
+    return jnp.sum(jnp.where(valid & (first <= r) & (r < first + count), expert, 0))
+
+
 def _h_rows_kernel(gu_ref, factor_in_ref, *refs, rows: int, splits: int, layout: GateUpLayout,
                    activation: Activation, limit: float | None, alpha: float,
                    block_k: int | None, bias: bool):
-    bias_ref = refs[0] if bias else None
+    bias_ref, items_ref = refs[:2] if bias else (None, None)
     rows_ref, factor_ref = refs[-2:]
     r = pl.program_id(0)
     inter = rows_ref.shape[1]
@@ -87,6 +99,7 @@ def _h_rows_kernel(gu_ref, factor_in_ref, *refs, rows: int, splits: int, layout:
     interleaved = layout is GateUpLayout.INTERLEAVED
     cols = (2 * src, 2 * src + 1) if interleaved else (src, src + inter)
     factor = factor_in_ref[r]
+    expert = None if bias_ref is None else _expert_of_row(items_ref, r)
 
     def part(c):  # the gate or up columns of row r, split partials summed, factor applied
         v = plgpu.load(gu_ref.at[r, c], mask=valid, other=0.0)
@@ -94,7 +107,8 @@ def _h_rows_kernel(gu_ref, factor_in_ref, *refs, rows: int, splits: int, layout:
             v = v + plgpu.load(gu_ref.at[s * rows + r, c], mask=valid, other=0.0)
         v = v * factor
         if bias_ref is not None:
-            v = v + plgpu.load(bias_ref.at[r, c], mask=valid, other=0.0).astype(jnp.float32)
+            v = v + plgpu.load(bias_ref.at[expert, c], mask=valid,
+                               other=0.0).astype(jnp.float32)
         return v
 
     h = _epilogue(part(cols[0]), part(cols[1]), activation, limit, alpha)
@@ -126,20 +140,27 @@ def x_rows(x: jax.Array, token_of_row: jax.Array, rows: int, *, block_k: int | N
 
 
 def h_rows(gu: jax.Array, factor: jax.Array, *, splits: int = 1,
-           bias_rows: jax.Array | None = None,
+           bias: jax.Array | None = None, items: jax.Array | None = None,
            activation: Activation = Activation.SILU,
            layout: GateUpLayout = GateUpLayout.CONCATENATED, limit: float | None = None,
            alpha: float = GPT_OSS_ALPHA, block_k: int | None = None,
            interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """The gate_up launch's output ``gu [splits * R, 2I]`` f32 (K-split partials stacked),
-    ``factor [R]`` (x's row factors) and ``bias_rows [R, 2I]`` (each row's expert's gate_up
-    bias) -> (h f16 rows ``[R, I]``, their factors)."""
+    """The gate_up launch's output ``gu [splits * R, 2I]`` f32 (K-split partials stacked) and
+    ``factor [R]`` (x's row factors) -> (h f16 rows ``[R, I]``, their factors). ``bias [E, 2I]``:
+    each row gets its expert's, the expert found in the work ``items [3, W]`` (expert, first
+    row, rows) that hold the row (rows no item holds: expert 0's)."""
     rows = factor.shape[0]
     inter = gu.shape[1] // 2
+    if (bias is None) != (items is None):
+        raise ValueError("h_rows: bias [E, 2I] and items [3, W] come together")
+    if bias is not None and (bias.ndim != 2 or bias.shape[1] != gu.shape[1] or items.ndim != 2
+                             or items.shape[0] != 3):
+        raise ValueError(f"h_rows: expected bias [E, {gu.shape[1]}] and items [3, W], got "
+                         f"{bias.shape} and {items.shape}")
     kernel = functools.partial(
         _h_rows_kernel, rows=rows, splits=splits, layout=layout, activation=activation,
-        limit=limit, alpha=alpha, block_k=block_k, bias=bias_rows is not None)
-    args = (gu, factor) + (() if bias_rows is None else (bias_rows,))
+        limit=limit, alpha=alpha, block_k=block_k, bias=bias is not None)
+    args = (gu, factor) + (() if bias is None else (bias, items.astype(jnp.int32)))
     return _launch(kernel, rows, inter, args, interpret, "moe_decode_h_rows")
 
 
