@@ -222,11 +222,13 @@ def test_router_at_decode_size_picks_k_distinct_experts(router):
 
 @pytest.mark.parametrize("router_dtype", ["float32", "bfloat16"])
 def test_router_logits_row_sum_equals_the_matmul(router_dtype, monkeypatch):
-    """Few tokens take the router matmul as a multiply + row sum; both forms agree (the bf16
-    router: to a bf16 ulp, where the two f32 sums round across a bf16 boundary)."""
+    """Few tokens take the router matmul as a multiply + row sum, the router bias one more
+    column of it; both forms agree (the bf16 router: to a bf16 ulp, where the two f32 sums
+    round across a bf16 boundary, the bias added before or after rounding)."""
     from atlas_jax.moe import routing
 
     p = make("gpt_oss", router_dtype=router_dtype)
+    assert p.router_bias is not None
     x = tokens(5)
     rows = routing.router_logits(p, x)
     assert 5 * p.router.size <= routing.ROUTER_REDUCE_MAX_PRODUCTS

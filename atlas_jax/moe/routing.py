@@ -57,17 +57,23 @@ def router_logits(params: MoEParams, x: jax.Array) -> jax.Array:
         x = rms_normalize(x, cfg.rms_norm_eps) * params.router_scale.astype(jnp.float32)
         x = x * cfg.hidden_size**-0.5
     xs, w = x.astype(dtype), params.router.astype(dtype)
+    bias = None if params.router_bias is None else params.router_bias.astype(dtype)
     if x.shape[0] * w.size <= ROUTER_REDUCE_MAX_PRODUCTS:  # f32 products (exact for bf16)
-        logits = jnp.sum(xs.astype(jnp.float32)[:, None, :] * w.astype(jnp.float32)[None],
-                         axis=-1).astype(dtype)
+        xf, wf = xs.astype(jnp.float32), w.astype(jnp.float32)
+        if bias is not None:  # one more column (x: 1, w: the bias), in the one reduction
+            # fusion (an add after it was a launch of its own) and rounded once, as F.linear
+            xf = jnp.concatenate([xf, jnp.ones((xf.shape[0], 1), jnp.float32)], axis=1)
+            wf = jnp.concatenate([wf, bias.astype(jnp.float32)[:, None]], axis=1)
+            bias = None
+        logits = jnp.sum(xf[:, None, :] * wf[None], axis=-1).astype(dtype)
     else:
         # float32 routers at full float32 precision (XLA's GPU default would take TF32:
         # weights ~1e-4 off transformers' fp32 router on the H200)
         precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
         logits = jnp.einsum("th,eh->te", xs, w, preferred_element_type=jnp.float32,
                             precision=precision).astype(dtype)
-    if params.router_bias is not None:
-        logits = logits + params.router_bias.astype(dtype)
+    if bias is not None:
+        logits = logits + bias
     return logits.astype(jnp.float32)
 
 
