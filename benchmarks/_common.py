@@ -3,6 +3,7 @@ the same run as the benchmark that reports against them."""
 
 from __future__ import annotations
 
+import collections
 import statistics
 import time
 from collections.abc import Callable
@@ -96,16 +97,12 @@ def device_kernels(fn: Callable, *args, calls: int = 20,
         events = sorted((ev for ev in prof.events()
                          if ev.device_type == torch.autograd.DeviceType.CUDA),
                         key=lambda ev: ev.time_range.start)
-        per_call = {}
+        launches = collections.Counter(ev.name for ev in events)
+        seen, totals = collections.Counter(), {}
         for ev in events:
-            per_call[ev.name] = per_call.get(ev.name, 0) + 1 / calls
-        seen, totals = {}, {}
-        for ev in events:
-            n = round(per_call[ev.name])
-            i = seen.get(ev.name, 0)
-            seen[ev.name] = i + 1
-            key = f"#{i % n} {ev.name}" if n > 1 and abs(per_call[ev.name] - n) < 1e-6 \
-                else ev.name
+            n, rest = divmod(launches[ev.name], calls)  # launches a call
+            key = f"#{seen[ev.name] % n} {ev.name}" if n > 1 and not rest else ev.name
+            seen[ev.name] += 1
             total, count = totals.get(key, (0.0, 0))
             totals[key] = (total + ev.time_range.elapsed_us(), count + 1)
         rows = [(k, t * 1e-6 / calls, c / calls) for k, (t, c) in totals.items()]
