@@ -14,8 +14,14 @@ from jax._src import mesh as mesh_lib
 from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout
 from pallas_kernels.grouped_matmul.reference import GPT_OSS_ALPHA, rounded
 from pallas_kernels.moe_decode.kernel import _epilogue
-from pallas_kernels.moe_decode.mosaic import expert_of_rows, fp4_operand_order
-from pallas_kernels.moe_decode.rows import h_rows, operand_source, rows_reference, x_rows
+from pallas_kernels.moe_decode.mosaic import fp4_operand_order
+from pallas_kernels.moe_decode.rows import (
+    expert_of_rows,
+    h_rows,
+    operand_source,
+    rows_reference,
+    x_rows,
+)
 
 # compiled on a GPU: XLA on the GPU may drop the interpreter's bf16 rounding of h (excess
 # precision), a compiled Triton kernel keeps it

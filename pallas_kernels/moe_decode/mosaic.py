@@ -88,7 +88,7 @@ from pallas_kernels.moe_decode.kernel import (
     num_items,
     pairs_of,
 )
-from pallas_kernels.moe_decode.rows import h_rows, x_rows
+from pallas_kernels.moe_decode.rows import expert_of_rows, h_rows, x_rows
 
 ROWS = 16  # rows of one work item
 WINDOW = ROWS + 8  # activation rows a program reads (the wgmma's N): from an 8-aligned row
@@ -933,11 +933,3 @@ def moe_decode_mosaic_pairs(
         pairs = pairs + jnp.where(plan.routed[..., None], pick, 0.0)
     return pairs
 
-
-def expert_of_rows(items: jax.Array, rows: int) -> jax.Array:
-    """``[rows]`` the expert of each sorted row: that of the work item ``[3, W]`` (expert,
-    first row, rows) holding it; 0 for a row no item holds (as ``rows.h_rows`` finds it)."""
-    expert, first, count = items
-    r = jnp.arange(rows, dtype=jnp.int32)[:, None]
-    owns = (first[None, :] <= r) & (r < (first + count)[None, :])  # [rows, W]
-    return jnp.sum(jnp.where(owns, expert[None, :], 0), axis=1)

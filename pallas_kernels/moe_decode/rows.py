@@ -88,6 +88,15 @@ def _expert_of_row(items_ref, r):
     return jnp.sum(jnp.where(valid & (first <= r) & (r < first + count), expert, 0))
 
 
+def expert_of_rows(items: jax.Array, rows: int) -> jax.Array:
+    """``[rows]`` the expert of each sorted row: that of the work item ``[3, W]`` (expert,
+    first row, rows) holding it; 0 for a row no item holds (``h_rows``' rule, in jnp)."""
+    expert, first, count = items
+    r = jnp.arange(rows, dtype=jnp.int32)[:, None]
+    owns = (first[None, :] <= r) & (r < (first + count)[None, :])  # [rows, W]
+    return jnp.sum(jnp.where(owns, expert[None, :], 0), axis=1)
+
+
 def _h_rows_kernel(gu_ref, factor_in_ref, *refs, rows: int, splits: int, layout: GateUpLayout,
                    activation: Activation, limit: float | None, alpha: float,
                    block_k: int | None, bias: bool):
