@@ -13,15 +13,17 @@ from jax._src import mesh as mesh_lib
 
 from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout
 from pallas_kernels.grouped_matmul.reference import GPT_OSS_ALPHA, rounded
-from pallas_kernels.moe_decode.kernel import _epilogue
+from pallas_kernels.moe_decode.kernel import PALLAS_PLAN_MAX_PAIRS, _epilogue, make_plan
 from pallas_kernels.moe_decode.mosaic import fp4_operand_order
 from pallas_kernels.moe_decode.rows import (
     expert_of_rows,
     h_rows,
     operand_source,
+    plan_x_rows,
     rows_reference,
     x_rows,
 )
+from tests.test_moe_decode_kernel import E, routing
 
 # compiled on a GPU: XLA on the GPU may drop the interpreter's bf16 rounding of h (excess
 # precision), a compiled Triton kernel keeps it
@@ -61,6 +63,34 @@ def test_x_rows(block_k, p, h):
     if block_k is not None:
         back = back[:, np.argsort(operand_source(np.arange(h), block_k))]
     np.testing.assert_array_equal(back, x[full].astype(jnp.float32))  # exact for bf16 rows
+
+
+@pytest.mark.parametrize("pattern", ["random", "repeated", "zero_experts", "all_zero",
+                                     "dup_in_token"])
+@pytest.mark.parametrize("t,k,block_k", [(1, 4, None), (3, 3, 64), (4, 8, 128)])
+def test_plan_x_rows_is_the_plan_and_the_x_rows(pattern, t, k, block_k):
+    """One launch: the pairwise Pallas plan (work, rows, items) and x_rows of its token_of_row
+    (rows past the pairs: token 0's), bit for bit."""
+    h = 256
+    x = spread_rows(jax.random.key(t), t, h).astype(jnp.bfloat16)
+    ids = routing(pattern, t, k)
+    rows = t * k + 16
+    plan, (a, factor) = plan_x_rows(x, ids, E, rows, item_rows=16, block_k=block_k,
+                                    interpret=INTERPRET)
+    want = make_plan(ids, E, pallas=True, interpret=INTERPRET, item_rows=16)
+    for name in ("work", "token_of_row", "row_of_pair", "routed", "items"):
+        np.testing.assert_array_equal(getattr(plan, name), getattr(want, name), err_msg=name)
+    want_a, want_f = x_rows(x, want.token_of_row, rows, block_k=block_k, interpret=INTERPRET)
+    np.testing.assert_array_equal(a, want_a)
+    np.testing.assert_array_equal(factor, want_f)
+
+
+def test_plan_x_rows_bad_sizes_raise():
+    x = jnp.ones((5, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"at most {PALLAS_PLAN_MAX_PAIRS}"):
+        plan_x_rows(x, jnp.zeros((5, 8), jnp.int32), E, 64, item_rows=16, interpret=True)
+    with pytest.raises(ValueError, match="rows for"):
+        plan_x_rows(x, jnp.zeros((2, 8), jnp.int32), E, 8, item_rows=16, interpret=True)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -104,7 +134,7 @@ def test_h_rows(splits, layout, activation, limit, bias, block_k):
 
 @pytest.mark.parametrize("fp4", [False, True])
 def test_rows_lower_to_triton_for_h200(fp4):
-    """Both launches lowered by Pallas' Triton backend for the H200 without a GPU (Qwen3 and
+    """The three launches lowered by Pallas' Triton backend for the H200 without a GPU (Qwen3 and
     gpt-oss widths: H 2048 / 2880, I 768 / 2880)."""
     dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
@@ -115,15 +145,17 @@ def test_rows_lower_to_triton_for_h200(fp4):
 
         def f(x, token, gu, bias, items, h=h, inter=inter, layout=layout, bk=bk):
             a, factor = x_rows(x, token, 88, block_k=bk)
-            return a, h_rows(gu, factor, splits=2, bias=bias, items=items, layout=layout,
-                             activation=Activation.GPT_OSS, limit=7.0, block_k=bk)
+            _, (a1, _) = plan_x_rows(x, token[:32].reshape(4, 8), 128, 40, item_rows=16,
+                                     block_k=bk)
+            return a, a1, h_rows(gu, factor, splits=2, bias=bias, items=items, layout=layout,
+                                 activation=Activation.GPT_OSS, limit=7.0, block_k=bk)
 
         with jax.sharding.use_abstract_mesh(mesh):
             lowered = jax.jit(functools.partial(f)).trace(
                 sd((8, h), jnp.bfloat16), sd((64,), jnp.int32), sd((176, 2 * inter), jnp.float32),
                 sd((128, 2 * inter), jnp.bfloat16),
                 sd((3, 132), jnp.int32)).lower(lowering_platforms=("cuda",))
-        assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2
+        assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3
 
 
 def test_h_rows_bias_needs_items():

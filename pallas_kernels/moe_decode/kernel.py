@@ -250,23 +250,31 @@ def _idle(ref, used, num_experts, num_routed):
              (at >= used) & (at < ref.shape[1]))
 
 
+def _pair_rows(ids_ref, p: int, num_experts: int):
+    """The ``p`` pair ids (padded to a power of two, >= 16) -> (idx, valid, key, routed, less,
+    same, before, row): ``less``/``same`` the ``[n, n]`` key comparisons, ``row`` each pair's
+    stable sorted row (``before``: same-key pairs ahead of it)."""
+    n = max(16, pl.next_power_of_2(p))
+    idx = jnp.arange(n, dtype=jnp.int32)
+    valid = idx < p
+    # padding: id num_experts, a zero expert's key (sorts after the real pairs, not routed)
+    key, routed = _plan_keys(plgpu.load(ids_ref.at[idx], mask=valid, other=num_experts),
+                             jnp.int32(num_experts))
+    less = key[None, :] < key[:, None]  # [n, n]: pair q (column) sorts below pair p (row)
+    same = key[None, :] == key[:, None]
+    before = _count(same & (idx[None, :] < idx[:, None]), axis=1)
+    row = _count(less, axis=1) + before  # stable sorted row
+    return idx, valid, key, routed, less, same, before, row
+
+
 def _plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *items_ref, p: int,
                  k: int, num_experts: int, item_rows: int | None):
     """One program: ``_pairwise_plan``'s comparisons on the ``p`` pair ids (padded to a power
     of two), its entries written by scatter stores: each pair its sorted row and that row's
     token, each expert's first pair the expert's work entry (and, ``item_rows``, its work
     items); then the idle slots (items)."""
-    n = max(16, pl.next_power_of_2(p))
+    idx, valid, key, routed, less, same, before, row = _pair_rows(ids_ref, p, num_experts)
     num_experts = jnp.int32(num_experts)
-    idx = jnp.arange(n, dtype=jnp.int32)
-    valid = idx < p
-    # padding: id num_experts, a zero expert's key (sorts after the real pairs, not routed)
-    key, routed = _plan_keys(plgpu.load(ids_ref.at[idx], mask=valid, other=num_experts),
-                             num_experts)
-    less = key[None, :] < key[:, None]  # [n, n]: pair q (column) sorts below pair p (row)
-    same = key[None, :] == key[:, None]
-    before = _count(same & (idx[None, :] < idx[:, None]), axis=1)
-    row = _count(less, axis=1) + before  # stable sorted row
     count = _count(same, axis=1)  # pairs of this pair's expert
     lead = routed & (before == 0)  # the first pair of each distinct real expert
     lead_less = less & lead[None, :]

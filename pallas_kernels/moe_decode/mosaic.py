@@ -50,7 +50,8 @@ with its work items (``kernel.make_plan(item_rows=ROWS)``: one Pallas launch, pa
 pairs, a radix sort up to 1024; past that XLA's plan and its item cut, ``work_items``) -> x's
 f16 rows in sorted order (``rows.x_rows``) -> gate_up -> the activation and h's f16 rows
 (``rows.h_rows``) -> down; each pair's row is picked by the caller's combine
-(``kernel.pairs_of``, fused by XLA). BF16 weights take bf16 rows gathered by XLA.
+(``kernel.pairs_of``, fused by XLA). Up to 32 pairs the plan and x's rows are one launch
+(``rows.plan_x_rows``): four. BF16 weights take bf16 rows gathered by XLA.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ from pallas_kernels.grouped_matmul.reference import (
     rounded,
 )
 from pallas_kernels.moe_decode.kernel import (
+    PALLAS_PLAN_MAX_PAIRS,
     DecodePlan,
     ExtraExperts,
     _epilogue,
@@ -88,7 +90,7 @@ from pallas_kernels.moe_decode.kernel import (
     num_items,
     pairs_of,
 )
-from pallas_kernels.moe_decode.rows import expert_of_rows, h_rows, x_rows
+from pallas_kernels.moe_decode.rows import expert_of_rows, h_rows, plan_x_rows, x_rows
 
 ROWS = 16  # rows of one work item
 WINDOW = ROWS + 8  # activation rows a program reads (the wgmma's N): from an 8-aligned row
@@ -870,13 +872,22 @@ def moe_decode_mosaic_pairs(
         if extra.gate_up_bias is not None or extra.down_bias is not None:
             raise ValueError("extra: biases are not supported")
         e_all += extra.gate_up.shape[0]
-    plan = make_plan(expert_ids, e_all, pallas=not interpret, interpret=interpret,
-                     item_rows=ROWS)
-    p = plan.token_of_row.shape[0]
+    p = expert_ids.size
     rows = window_rows(p)  # sorted rows, then rows no item owns (inside the last windows)
-    work = work_items(plan, e_all)
     if tile is None:
         tile = (choose_slot_tile(hidden), choose_slot_tile(inter))
+
+    def order(t):  # FP4: the activations in the operand column order of t's K steps
+        return t.block_k if packed == 2 else None
+
+    x16 = None  # x's f16 rows (f16 activations), where the plan's launch makes them
+    if fmt != "bf16" and p <= PALLAS_PLAN_MAX_PAIRS:
+        plan, x16 = plan_x_rows(x, expert_ids, e_all, rows, item_rows=ROWS,
+                                block_k=order(tile[0]), interpret=interpret)
+    else:
+        plan = make_plan(expert_ids, e_all, pallas=not interpret, interpret=interpret,
+                         item_rows=ROWS)
+    work = work_items(plan, e_all)
     if k_splits == "auto":
         items = min(e_all, expert_ids.size)
         sms = device_sm_count() or 132  # interpret mode: as on the H200
@@ -892,9 +903,6 @@ def moe_decode_mosaic_pairs(
         return slot_matmul(work, a, w, scale, extra_stack, global_scale, fmt=fmt,
                            fp8_block=fp8_block, tile=tile, k_splits=splits, sum_splits=False,
                            interpret=interpret)
-
-    def order(t):  # FP4: the activations in the operand column order of t's K steps
-        return t.block_k if packed == 2 else None
 
     xs = None if extra is None else (extra.gate_up, extra.gate_up_scale,
                                      extra.gate_up_global_scale)
@@ -914,8 +922,8 @@ def moe_decode_mosaic_pairs(
         h = rounded(_epilogue(gate, up, activation, limit, alpha), jnp.bfloat16)  # [R, I]
         h, factor = h.astype(jnp.bfloat16), None
     else:  # f16 rows scaled per row (rows.py: one launch each)
-        a, factor = x_rows(x, plan.token_of_row, rows, block_k=order(tile[0]),
-                           interpret=interpret)
+        a, factor = x16 or x_rows(x, plan.token_of_row, rows, block_k=order(tile[0]),
+                                  interpret=interpret)
         gu = launch(a, gate_up, gate_up_scale, gate_up_global_scale, xs, tile[0],
                     k_splits[0])  # [S * R, 2I]
         h, factor = h_rows(gu, factor, splits=k_splits[0], bias=gate_up_bias,

@@ -7,6 +7,9 @@ them, one program a row, where XLA took two and three small fusions (a row amax 
 reduction, the scaled copy its consumer; each a launch of ~1-1.5 us on the H200):
 
 - ``x_rows``: row r is token ``token_of_row[r]``'s row of x (rows past the P pairs: token 0's).
+- ``plan_x_rows``: up to ``kernel.PALLAS_PLAN_MAX_PAIRS`` pairs (1-4 tokens of top-8), the
+  decode plan and x's rows in one launch: every program recomputes the pairwise plan's sorted
+  rows (a few hundred comparisons) to find its row's token; program 0 also stores the plan.
 - ``h_rows``: row r of the gate_up launch's output (its K-split partials summed, times the row's
   factor back), its expert's gate_up bias added (the expert found in the work items, the bias
   row read from the ``[E, 2I]`` table), ``act(gate) * up`` rounded to bf16 (as the Triton path
@@ -28,7 +31,15 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout
 from pallas_kernels.grouped_matmul.reference import GPT_OSS_ALPHA
-from pallas_kernels.moe_decode.kernel import _epilogue
+from pallas_kernels.moe_decode.kernel import (
+    PALLAS_PLAN_MAX_PAIRS,
+    DecodePlan,
+    _epilogue,
+    _pair_rows,
+    _plan_kernel,
+    _plan_keys,
+    num_items,
+)
 from pallas_kernels.paged_attention.decode import _pow2_row_scales
 
 
@@ -69,12 +80,35 @@ def _store_scaled(rows_ref, factor_ref, r, v, pos, valid):
     plgpu.store(factor_ref.at[pl.ds(r, 1)], down)
 
 
-def _x_rows_kernel(token_ref, x_ref, rows_ref, factor_ref, *, p: int, block_k: int | None):
-    r = pl.program_id(0)
-    token = jnp.where(r < p, token_ref[jnp.minimum(r, p - 1)], 0)
+def _store_x_row(x_ref, rows_ref, factor_ref, r, token, block_k: int | None):
+    """Row ``r`` of the rows: token ``token``'s row of x, scaled into f16."""
     pos, src, valid = _columns(x_ref.shape[1], block_k)
     v = plgpu.load(x_ref.at[token, src], mask=valid, other=0.0).astype(jnp.float32)
     _store_scaled(rows_ref, factor_ref, r, v, pos, valid)
+
+
+def _x_rows_kernel(token_ref, x_ref, rows_ref, factor_ref, *, p: int, block_k: int | None):
+    r = pl.program_id(0)
+    token = jnp.where(r < p, token_ref[jnp.minimum(r, p - 1)], 0)
+    _store_x_row(x_ref, rows_ref, factor_ref, r, token, block_k)
+
+
+def _plan_x_rows_kernel(ids_ref, x_ref, work_ref, token_of_row_ref, row_of_pair_ref, items_ref,
+                        rows_ref, factor_ref, *, p: int, k: int, num_experts: int,
+                        item_rows: int, block_k: int | None):
+    """Program r: the pairwise plan's sorted rows of the pairs (every program), the pair at
+    row r gives its token (rows past ``p``: token 0), whose x row it stores; program 0 also
+    stores the plan (``kernel._plan_kernel``)."""
+    r = pl.program_id(0)
+
+    @pl.when(r == 0)
+    def _():
+        _plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, items_ref, p=p, k=k,
+                     num_experts=num_experts, item_rows=item_rows)
+
+    idx, valid, *_, row = _pair_rows(ids_ref, p, num_experts)
+    token = jnp.sum(jnp.where(valid & (row == r), jax.lax.div(idx, jnp.int32(k)), 0))
+    _store_x_row(x_ref, rows_ref, factor_ref, r, token, block_k)
 
 
 def _expert_of_row(items_ref, r):
@@ -146,6 +180,40 @@ def x_rows(x: jax.Array, token_of_row: jax.Array, rows: int, *, block_k: int | N
     kernel = functools.partial(_x_rows_kernel, p=p, block_k=block_k)
     return _launch(kernel, rows, x.shape[1], (token_of_row.astype(jnp.int32), x), interpret,
                    "moe_decode_x_rows")
+
+
+def plan_x_rows(x: jax.Array, expert_ids: jax.Array, num_experts: int, rows: int, *,
+                item_rows: int, block_k: int | None = None,
+                interpret: bool = False) -> tuple[DecodePlan, tuple[jax.Array, jax.Array]]:
+    """``make_plan(pallas=True, item_rows=)``'s plan and ``x_rows(x, plan.token_of_row, rows,
+    block_k=)``'s rows from one launch (``rows`` programs, each its row; up to
+    ``PALLAS_PLAN_MAX_PAIRS`` pairs, the pairwise plan, which every program recomputes)."""
+    t, k = expert_ids.shape
+    p = t * k
+    if p > PALLAS_PLAN_MAX_PAIRS:
+        raise ValueError(f"plan_x_rows: {p} pairs, at most {PALLAS_PLAN_MAX_PAIRS}")
+    if rows < p:
+        raise ValueError(f"plan_x_rows: {rows} rows for {p} pairs")
+    slots = min(num_experts, p)
+    flat = expert_ids.reshape(p).astype(jnp.int32)
+    kernel = functools.partial(_plan_x_rows_kernel, p=p, k=k, num_experts=num_experts,
+                               item_rows=item_rows, block_k=block_k)
+    work, token_of_row, row_of_pair, items, a, factor = pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct((3, slots), jnp.int32),
+                   jax.ShapeDtypeStruct((p,), jnp.int32),
+                   jax.ShapeDtypeStruct((p,), jnp.int32),
+                   jax.ShapeDtypeStruct((3, num_items(slots, p, item_rows)), jnp.int32),
+                   jax.ShapeDtypeStruct((rows, x.shape[1]), jnp.float16),
+                   jax.ShapeDtypeStruct((rows,), jnp.float32)],
+        grid=(rows,),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="moe_decode_plan_x_rows",
+    )(flat, x)
+    plan = DecodePlan(work=work, token_of_row=token_of_row, row_of_pair=row_of_pair.reshape(t, k),
+                      routed=_plan_keys(flat, num_experts)[1].reshape(t, k), items=items)
+    return plan, (a, factor)
 
 
 def h_rows(gu: jax.Array, factor: jax.Array, *, splits: int = 1,
