@@ -117,6 +117,26 @@ def device_kernels(fn: Callable, *args, calls: int = 20,
     return sorted(rows, key=lambda r: -r[1])
 
 
+def device_timeline(fn: Callable, *args, calls: int = 3) -> list[tuple[str, float, float]] | None:
+    """Every kernel and copy ``calls`` calls of ``fn(*args)`` put on the GPU, as ``(name, start
+    us, end us)`` in start order (CUPTI through ``torch.profiler``, as ``device_kernels``); None
+    without torch."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    torch.cuda.init()
+    jax.block_until_ready(fn(*args))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+    events = [(ev.name, ev.time_range.start, ev.time_range.end) for ev in prof.events()
+              if ev.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(events, key=lambda ev: ev[1])
+
+
 def time_torch(fn: Callable) -> float:
     """Median seconds per call, timed with CUDA events (triton.testing.do_bench)."""
     import triton.testing

@@ -93,6 +93,7 @@ from pallas_kernels.moe_decode.kernel import (
 from pallas_kernels.moe_decode.rows import expert_of_rows, h_rows, plan_x_rows, x_rows
 
 ROWS = 16  # rows of one work item
+SCALE_PREFETCH = 3  # K steps a scale load is issued before its step (1: the step before)
 WINDOW = ROWS + 8  # activation rows a program reads (the wgmma's N): from an 8-aligned row
 BLOCK_N = 64  # weight rows a program (the wgmma's M)
 
@@ -214,20 +215,32 @@ def _kernel(
                              transforms=_transforms(bk * a_dtype.itemsize, a_dtype.itemsize),
                              delay_release=1 if fmt == "bf16" else 0)
 
+    prefetch = min(SCALE_PREFETCH, num_steps)
+
+    def ahead(load):
+        """The scales ``prefetch`` steps ahead: ``(first, advance)``, ``first`` the loads of
+        steps ``0 .. prefetch - 1`` and ``advance(kb, queue) -> (step kb's load, the queue of
+        kb + 1 .. kb + prefetch)``, issuing step ``kb + prefetch``'s load (clamped to the
+        last step)."""
+        first = tuple(load(min(i, num_steps - 1)) for i in range(prefetch))
+
+        def advance(kb, queue):
+            return queue[0], queue[1:] + (load(jnp.minimum(kb + prefetch, num_steps - 1)),)
+
+        return first, advance
+
     def scaled_steps(w_tile, a_tile, scale_ref, e):
-        """FP8: each step's partial (its own accumulator) times the step's block scale, the
-        scale of step kb + 1 loaded during step kb (a global load per step on the critical path
-        had held the kernel near 55% of HBM on the H200)."""
+        """FP8: each step's partial (its own accumulator) times the step's block scale, loaded
+        ``SCALE_PREFETCH`` steps before (a global load per step on the critical path had held
+        the kernel near 55% of HBM on the H200)."""
         b0, b1 = fp8_block
         row_block = lax.div(n0, b0)
-
-        def scale_of(kb):
-            return scale_ref[e, row_block, lax.div(at(jnp.minimum(kb, num_steps - 1)) * bk, b1)]
+        first, advance = ahead(lambda kb: scale_ref[e, row_block, lax.div(at(kb) * bk, b1)])
 
         def step(idx, w_smem, a_smem, carry):
             (kb,) = idx
-            acc, s = carry
-            s_next = scale_of(kb + 1)
+            acc, queue = carry
+            s, queue = advance(kb, queue)
             w = operand(w_smem)
 
             def one_step(part):
@@ -235,12 +248,12 @@ def _kernel(
                 return part[...]
 
             part = pl.run_scoped(one_step, plgpu.ACC((bn, WINDOW), jnp.float32))
-            return acc + part * s, s_next
+            return acc + part * s, queue
 
         zeros = plgpu.layout_cast(jnp.zeros((bn, WINDOW), jnp.float32), plgpu.Layout.WGMMA)
         acc, _ = plgpu.emit_pipeline(
             step, grid=(num_steps,), in_specs=[w_spec, a_spec],
-            max_concurrent_steps=tile.num_stages, init_carry=(zeros, scale_of(0)),
+            max_concurrent_steps=tile.num_stages, init_carry=(zeros, first),
         )(w_tile, a_tile)
         return acc
 
@@ -248,52 +261,57 @@ def _kernel(
         """NVFP4 / MXFP4: each step's codes become one ``[bn, bk]`` f16 A operand with the
         scales folded in (``_fp4_operands_inline``). NVFP4 accumulates every step in one
         accumulator; MXFP4 dots each step into a partial multiplied by its rows'
-        ``2^(s_max - 127 + PLACEMENT)``. The scales of step kb + 1 are loaded during step
-        kb."""
+        ``2^(s_max - 127 + PLACEMENT)``. The scale bytes are loaded ``SCALE_PREFETCH`` steps
+        before their step turns them into factors (a load's latency not on a step's path)."""
         if stage_w:
-            scales_of = functools.partial(_fp4_scales_jnp, scale_ref, e, n0, fmt=fmt, tile=tile)
+            bits_of = functools.partial(_fp4_scale_bits_jnp, scale_ref, e, n0, fmt=fmt,
+                                        tile=tile)
+            factors_of = functools.partial(_fp4_factors_jnp, fmt=fmt)
             operands_of = _fp4_operands_jnp
         else:
-            scales_of = functools.partial(_fp4_scales_inline, scale_ref, e * scale_ref.shape[1]
-                                          + n0, fmt=fmt, tile=tile)
+            bits_of = functools.partial(_fp4_scale_bits_inline, scale_ref,
+                                        e * scale_ref.shape[1] + n0, fmt=fmt, tile=tile)
+            factors_of = functools.partial(_fp4_factors_inline, fmt=fmt, tile=tile)
             operands_of = functools.partial(_fp4_operands_inline, tile=tile)
+        first, advance = ahead(lambda kb: bits_of(at(kb)))
 
-        def operand_and_next(kb, w_smem, scales):
-            """(this step's operand, the scales of the next step)."""
-            scales_next = scales_of(at(jnp.minimum(kb + 1, num_steps - 1)))
-            return staged(operands_of(w_smem, scales[0])), scales_next
+        def operand(kb, w_smem, queue):
+            """(this step's operand, its factors, the queue of the steps after it)."""
+            bits, queue = advance(kb, queue)
+            factors = factors_of(bits)
+            return staged(operands_of(w_smem, factors[0])), factors, queue
 
         if fmt == "mxfp4":
             def step(idx, w_smem, a_smem, carry):
-                acc, scales = carry
-                w, scales_next = operand_and_next(idx[0], w_smem, scales)
+                acc, queue = carry
+                w, factors, queue = operand(idx[0], w_smem, queue)
 
                 def mma(part):
                     plgpu.wgmma(part, w, a_smem.transpose((1, 0)))  # [bn, bk] x [bk, WINDOW]
                     return part[...]
 
                 part = pl.run_scoped(mma, plgpu.ACC((bn, WINDOW), jnp.float32))
-                part = part * lax.broadcast_in_dim(scales[1], (bn, WINDOW), [0])
-                return acc + part, scales_next
+                part = part * lax.broadcast_in_dim(factors[1], (bn, WINDOW), [0])
+                return acc + part, queue
 
             zeros = plgpu.layout_cast(jnp.zeros((bn, WINDOW), jnp.float32), plgpu.Layout.WGMMA)
             acc, _ = plgpu.emit_pipeline(
                 step, grid=(num_steps,), in_specs=[w_spec, a_spec],
-                max_concurrent_steps=tile.num_stages, init_carry=(zeros, scales_of(at(0))),
+                max_concurrent_steps=tile.num_stages, init_carry=(zeros, first),
             )(w_tile, a_tile)
             return acc
 
         def nv_step(idx, w_smem, a_smem, carry):
-            acc_ref, scales = carry
-            w, scales_next = operand_and_next(idx[0], w_smem, scales)
+            acc_ref, queue = carry
+            w, _, queue = operand(idx[0], w_smem, queue)
             plgpu.wgmma(acc_ref, w, a_smem.transpose((1, 0)))
             plgpu.wgmma_wait(0)  # w's registers and the activation tile are free again
-            return acc_ref, scales_next
+            return acc_ref, queue
 
         def run(acc_ref):
             plgpu.emit_pipeline(
                 nv_step, grid=(num_steps,), in_specs=[w_spec, a_spec],
-                max_concurrent_steps=tile.num_stages, init_carry=(acc_ref, scales_of(at(0))),
+                max_concurrent_steps=tile.num_stages, init_carry=(acc_ref, first),
             )(w_tile, a_tile)
             return acc_ref[...]
 
@@ -435,12 +453,18 @@ def _group_size(fmt: str) -> int:
     return 16 if fmt == "nvfp4" else 32
 
 
-def _fp4_scales_jnp(scale_ref, e, n0, kb, *, fmt: str, tile: SlotTile):
-    """Interpret mode's ``_fp4_scales_inline``: the factors of step ``kb`` as a ``[bn, bk]``
-    f16 array in operand order (and MXFP4's ``[bn]`` f32 partial scale)."""
-    bn, bk = BLOCK_N, tile.block_k
+def _fp4_scale_bits_jnp(scale_ref, e, n0, kb, *, fmt: str, tile: SlotTile):
+    """Interpret mode's ``_fp4_scale_bits_inline``: step ``kb``'s scale bytes ``[bn,
+    groups]``."""
+    groups = tile.block_k // _group_size(fmt)
+    return scale_ref[e, pl.ds(n0, BLOCK_N), pl.ds(kb * groups, groups)]
+
+
+def _fp4_factors_jnp(s, *, fmt: str):
+    """Interpret mode's ``_fp4_factors_inline``: the scale bytes ``s [bn, groups]`` -> the
+    factors as a ``[bn, bk]`` f16 array in operand order (and MXFP4's ``[bn]`` f32 partial
+    scale)."""
     size = _group_size(fmt)
-    s = scale_ref[e, pl.ds(n0, bn), pl.ds(kb * (bk // size), bk // size)]  # [bn, groups]
 
     def per_column(f):  # [bn, groups] -> [bn, bk] in operand order
         return _to_operand_order(jnp.repeat(f, size, axis=1))
@@ -474,41 +498,85 @@ def _splat_f16x2(bits):
     return mgpu.utils.bitcast(pair, ir.VectorType.get((2,), ir.F16Type.get()))
 
 
-def _fp4_scales_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
-    """Step ``kb``'s factors, per thread: a ``[bn, 16]`` f16 WGMMA-layout array used as a
-    carrier (register ``[.., j, .., i, ..]`` = the factor of the thread's row half ``i`` and
-    scale group slot ``j``; not a logical array) and, for MXFP4, the rows' ``[bn]`` f32
-    partial scale. ``scale_ref`` ``[E, N, K / 16 | K / 32]``, ``row0 = e * N + n0``."""
+_ROW_CARRIER = plgpu.Layout.WGMMA.reduce(1)  # [bn] f32: one register a thread's row half
+
+
+def _row_carrier(regs):
+    """A thread's two row-half i32 values as a ``[bn]`` f32 WGMMA-row array (their bits)."""
+    out = np.empty(mgpu.WGMMA_ROW_LAYOUT.registers_shape((BLOCK_N,)), object)
+    for i, v in enumerate(regs):
+        out[0, 0, i, 0, 0] = mgpu.utils.bitcast(v, ir.VectorType.get((1,), ir.F32Type.get()))
+    return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_ROW_LAYOUT, _is_signed=None)
+
+
+def _row_bits(carrier, i):
+    """Row half ``i``'s i32 from a ``_row_carrier`` array."""
+    reg = vector.extract(carrier.registers[0, 0, i, 0, 0], dynamic_position=[],
+                         static_position=ir.DenseI64ArrayAttr.get([0]))
+    return arith.bitcast(ir.IntegerType.get_signless(32), reg)
+
+
+def _fp4_scale_bits_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
+    """Step ``kb``'s scale bytes of a thread's two rows, as loaded (a ``[bn]`` f32 carrier
+    holding i32 bits; ``_fp4_factors_inline`` makes the factors): NVFP4 the e4m3 bytes of the
+    thread's own groups (two bytes, 2-aligned, at ``bk`` = 128; one at 64), MXFP4 every E8M0
+    byte of the step (its max is needed). ``scale_ref [E, N, K / 16 | K / 32]``, ``row0 = e *
+    N + n0``."""
     bn, bk = BLOCK_N, tile.block_k
-    size = _group_size(fmt)
-    groups = bk // size  # scale bytes of a row in one step: 8 | 4 (NVFP4), 4 | 2 (MXFP4)
+    groups = bk // _group_size(fmt)  # a row's bytes a step: 8 | 4 (NVFP4), 4 | 2 (MXFP4)
     stride = scale_ref.shape[-1]
-    mx = fmt == "mxfp4"
-    ret = (plgpu.ShapeDtypeStruct((bn, 16), jnp.float16, layout=plgpu.Layout.WGMMA),)
-    if mx:
-        ret += (plgpu.ShapeDtypeStruct((bn,), jnp.float32, layout=plgpu.Layout.WGMMA.reduce(1)),)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT,
-                                  plgpu.Layout.WG_SPLAT), return_type=ret)
+                                  plgpu.Layout.WG_SPLAT),
+                       return_type=plgpu.ShapeDtypeStruct((bn,), jnp.float32,
+                                                          layout=_ROW_CARRIER))
     def load(_, ref, first_row, first_col):
         i8, i16, i32 = (ir.IntegerType.get_signless(b) for b in (8, 16, 32))
         row, _, _, quad = _thread_rows()
-        own = arith.divui(arith.muli(quad, _i32(bk // 4)), _i32(size))  # the thread's 1st group
         ptr = mgpu.utils.memref_ptr(ref)
-        factors = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, 16)), object)
-        row_scales = np.empty(mgpu.WGMMA_ROW_LAYOUT.registers_shape((bn,)), object)
+        bits = []
         for i in range(2):  # row half
             r = arith.addi(first_row.registers.item(), arith.addi(row, _i32(8 * i)))
-            base = arith.addi(arith.muli(r, _i32(stride)), first_col.registers.item())
-            if not mx:  # e4m3 bytes of groups own (and own + 1), 2-aligned when two
-                at = arith.addi(base, own)
-                v = _load(ptr, at, i16) if groups == 8 else arith.extui(i16, _load(ptr, at, i8))
-                f = mgpu.utils.inline_ptx("cvt.rn.f16x2.e4m3x2 $0, $1;", v, result_types=i32)
+            at = arith.addi(arith.muli(r, _i32(stride)), first_col.registers.item())
+            if fmt == "nvfp4":  # the thread's first group: quad * (bk / 4) / 16
+                at = arith.addi(at, arith.divui(arith.muli(quad, _i32(bk // 4)), _i32(16)))
+            ty = {1: i8, 2: i16, 4: i32}[groups if fmt == "mxfp4" else groups // 4]
+            v = _load(ptr, at, ty)
+            bits.append(v if ty == i32 else arith.extui(i32, v))
+        return _row_carrier(bits)
+
+    return load(scale_ref, jnp.asarray(row0, jnp.int32), jnp.asarray(kb * groups, jnp.int32))
+
+
+def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile):
+    """A step's factors from its scale bytes (``_fp4_scale_bits_inline``), per thread: a
+    ``[bn, 16]`` f16 WGMMA-layout array used as a carrier (register ``[.., j, .., i, ..]`` =
+    the factor of the thread's row half ``i`` and scale group slot ``j``; not a logical array)
+    and, for MXFP4, the rows' ``[bn]`` f32 partial scale."""
+    bn, bk = BLOCK_N, tile.block_k
+    size = _group_size(fmt)
+    groups = bk // size
+    mx = fmt == "mxfp4"
+    ret = (plgpu.ShapeDtypeStruct((bn, 16), jnp.float16, layout=plgpu.Layout.WGMMA),)
+    if mx:
+        ret += (plgpu.ShapeDtypeStruct((bn,), jnp.float32, layout=_ROW_CARRIER),)
+
+    @plgpu.inline_mgpu(arg_types=(_ROW_CARRIER,), return_type=ret)
+    def convert(_, carrier):
+        i32 = ir.IntegerType.get_signless(32)
+        _, _, _, quad = _thread_rows()
+        own = arith.divui(arith.muli(quad, _i32(bk // 4)), _i32(size))  # the thread's 1st group
+        factors = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, 16)), object)
+        row_scales = []
+        for i in range(2):  # row half
+            word = _row_bits(carrier, i)
+            if not mx:  # e4m3 bytes of groups own (and own + 1)
+                f = mgpu.utils.inline_ptx("cvt.rn.f16x2.e4m3x2 $0, $1;",
+                                          arith.trunci(ir.IntegerType.get_signless(16), word),
+                                          result_types=i32)
                 lo = _splat_f16x2(arith.andi(f, _i32(0xFFFF)))
                 hi = _splat_f16x2(arith.shrui(f, _i32(16))) if groups == 8 else lo
-            else:  # every E8M0 byte of the step (its max), then the thread's own
-                word = _load(ptr, base, i32 if groups == 4 else i16)
-                word = word if groups == 4 else arith.extui(i32, word)
+            else:  # the step's max E8M0 byte, then the thread's own
                 top = _i32(0)
                 for b in range(groups):
                     byte = arith.andi(arith.shrui(word, _i32(8 * b)), _i32(0xFF))
@@ -519,22 +587,17 @@ def _fp4_scales_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
                 exp = arith.maxsi(arith.addi(arith.subi(mine, top), _i32(127)), _i32(0))
                 f32 = arith.bitcast(ir.F32Type.get(), arith.shli(exp, _i32(23)))
                 f16 = arith.truncf(ir.F16Type.get(), f32)
-                bits = arith.extui(i32, arith.bitcast(i16, f16))
-                lo = hi = _splat_f16x2(bits)
-                scale_bits = arith.shli(arith.minui(arith.addi(top, _i32(_PLACEMENT)),
-                                                    _i32(255)), _i32(23))  # 2^(s_max-127+P)
-                row_scales[0, 0, i, 0, 0] = mgpu.utils.bitcast(
-                    scale_bits, ir.VectorType.get((1,), ir.F32Type.get()))
+                lo = hi = _splat_f16x2(arith.extui(i32, arith.bitcast(
+                    ir.IntegerType.get_signless(16), f16)))
+                row_scales.append(arith.shli(arith.minui(arith.addi(top, _i32(_PLACEMENT)),
+                                                         _i32(255)), _i32(23)))  # 2^(s_max-127+P)
             factors[0, 0, 0, 0, i, 0, 0, 0, 0] = lo
             factors[0, 1, 0, 0, i, 0, 0, 0, 0] = hi
         out = (mgpu.FragmentedArray(_registers=factors, _layout=mgpu.WGMMA_LAYOUT,
                                     _is_signed=None),)
-        if mx:
-            out += (mgpu.FragmentedArray(_registers=row_scales, _layout=mgpu.WGMMA_ROW_LAYOUT,
-                                         _is_signed=None),)
-        return out
+        return out + ((_row_carrier(row_scales),) if mx else ())
 
-    return load(scale_ref, jnp.asarray(row0, jnp.int32), jnp.asarray(kb * groups, jnp.int32))
+    return convert(bits)
 
 
 def _fp4_word_to_f16x2(word):
@@ -558,7 +621,7 @@ def _fp4_word_to_f16x2(word):
 
 def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
     """The code tile ``w_smem [bn, bk / 2]`` (``_code_transforms``) -> the f16 A operand
-    ``[bn, bk]`` (WGMMA layout) with the step's factors (``_fp4_scales_inline``'s carrier)
+    ``[bn, bk]`` (WGMMA layout) with the step's factors (``_fp4_factors_inline``'s carrier)
     multiplied in; its columns hold K columns ``fp4_operand_order``."""
     bn, bk = BLOCK_N, tile.block_k
     words = bk // 32  # 32-bit words a thread reads of a row
