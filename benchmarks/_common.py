@@ -28,10 +28,12 @@ def time_jax(fn: Callable, *args, iters: int = 20, repeats: int = 5, warmup: int
 
 def scan_program(step: Callable) -> Callable:
     """``loop(consts, stacked_xs)``: ``step(consts, x)`` for every x of the stacked inputs,
-    inside one jitted ``lax.scan``. Rolled on purpose: on the H200 the fully unrolled program
+    inside one jitted ``lax.scan``. Rolled on purpose: on the H200 the straight-line program
     measured slower per step for short steps (Qwen3 1-token MoE decode 61 us vs 50 us; B=1 32k
-    paged decode 62 vs 39 us), as fast as one host dispatch per step, while the rolled loop
-    still pays XLA:GPU's while-loop overhead (its predicate is read back every iteration)."""
+    paged decode 62 vs 39 us): XLA launches it thunk by thunk from the host, which cannot keep
+    up (``moe_decode_hlo.py --timeline``: ~24 us idle before each 1-token step). The rolled
+    loop pays XLA:GPU's while-loop overhead every step instead (its predicate read back by the
+    host, a copy of the step's output: ~5-8 us of GPU idle and two launches at 1 token)."""
 
     @jax.jit
     def loop(c, xx):
@@ -41,14 +43,20 @@ def scan_program(step: Callable) -> Callable:
 
 
 def time_scan(step: Callable, consts, xs, *, repeats: int = 5, loops: int = 8) -> float:
-    """Median seconds per ``step(consts, x)`` over the inputs ``xs`` (a list of arrays or
-    pytrees, cycled ``loops`` times), all steps inside one jitted program (``scan_program``):
-    the host's per-call dispatch (~30 us for a pytree of weights) does not count, launch gaps
-    and the loop's own overhead do. ``device_busy`` gives the kernels' time alone."""
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *(list(xs) * loops))
-    steps = len(xs) * loops
-    return time_jax(scan_program(step), consts, stacked, iters=1, repeats=repeats,
-                    warmup=1) / steps
+    """Seconds per ``step(consts, x)`` over the inputs ``xs`` (a list of arrays or pytrees),
+    all steps inside one jitted program (``scan_program``): the marginal cost of a step, the
+    difference of two programs (``xs`` cycled ``loops`` and ``4 * loops`` times; median of
+    ``repeats`` calls each) over the steps between them, so that a call's own cost (the host's
+    dispatch of the weight pytree and its wait for the result: ~300 us a call for a decode
+    layer on the H200, 5 us a step of a 64-step call) drops out; launch gaps and the loop's
+    overhead stay in. ``device_busy`` gives the kernels' time alone."""
+    prog = scan_program(step)
+
+    def call_seconds(n):
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), *(list(xs) * n))
+        return time_jax(prog, consts, stacked, iters=1, repeats=repeats, warmup=1)
+
+    return (call_seconds(4 * loops) - call_seconds(loops)) / (3 * loops * len(xs))
 
 
 def rotating(fn: Callable, consts, xs) -> Callable:

@@ -12,8 +12,9 @@ Columns: ``experts`` distinct selected experts (from the routing of the timed in
 their weight bytes (data, scales, biases: the minimum a step must read), ``us`` per step,
 ``GB/s`` = MB / us, ``frac_hbm`` = GB/s over the measured copy bandwidth, ``vs_ragged_dot`` and
 ``vs_xla_decode`` the speed-ups over the two XLA paths. ``us`` is device time per step: the steps
-run inside one jitted ``lax.scan`` (``_common.time_scan``), as a decode loop runs them (CUDA
-graphs or a scan over layers); ``host_us`` is one jitted call per step from Python, which adds
+run inside one jitted ``lax.scan`` (``_common.time_scan``: the marginal time of a step, a
+call's own dispatch and wait taken out), as a decode loop runs them (CUDA graphs or a scan over
+layers); ``host_us`` is one jitted call per step from Python, which adds
 the host's dispatch of the weight pytree (~30 us) where the step is shorter than that. Each
 step routes a different set of tokens (``ROTATE`` input sets in turn), so consecutive steps
 select different experts and the selected weights do not stay in L2 between steps. A shared

@@ -26,10 +26,23 @@ def test_scan_program_runs_every_step_in_order():
     np.testing.assert_allclose(out["y"], want)
 
 
-def test_time_scan_and_rotating():
+def test_time_scan_is_the_marginal_time_of_a_step(monkeypatch):
+    calls = []
+
+    def fake_time_jax(fn, consts, stacked, **kw):  # a call: 300 us of its own + 2 us a step
+        calls.append(stacked.shape[0])
+        return 300e-6 + 2e-6 * stacked.shape[0]
+
+    monkeypatch.setattr(_common, "time_jax", fake_time_jax)
+    xs = [jnp.full((8,), float(i)) for i in range(3)]
+    assert _common.time_scan(lambda c, x: x * c, 3.0, xs, loops=2) == pytest.approx(2e-6)
+    assert calls == [24, 6]  # xs cycled 4 * loops and loops times
+
+
+def test_time_scan_runs_and_rotating():
     xs = [jnp.full((8,), float(i)) for i in range(3)]
     t = _common.time_scan(lambda c, x: x * c, jnp.float32(3.0), xs, repeats=2, loops=2)
-    assert 0 < t < 1.0
+    assert np.isfinite(t) and abs(t) < 1.0  # a difference of two timings: noise may be < 0
     call = _common.rotating(lambda c, x: x + c, 1.0, xs)
     assert [float(call()[0]) for _ in range(4)] == [2.0, 3.0, 1.0, 2.0]
 
@@ -134,7 +147,9 @@ def test_moe_decode_plan_benchmark_checks_every_builder():
     assert proc.returncode == 0, proc.stderr[-3000:]
     plans = _column(proc.stdout, "plan")
     assert plans == ["xla", "xla-sort", "pairwise", "radix", "xla", "xla-sort", "radix"], plans
-    assert all(float(c) > 0 for c in _column(proc.stdout, "scan_us")), proc.stdout[-3000:]
+    # marginal step times (time_scan): a number each, its sign noise at tiny CPU steps
+    assert all(np.isfinite(float(c)) for c in _column(proc.stdout, "scan_us")), \
+        proc.stdout[-3000:]
 
 
 def test_router_benchmark_checks_both_routers():
@@ -145,7 +160,9 @@ def test_router_benchmark_checks_both_routers():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _column(proc.stdout, "router") == ["xla", "pallas"], proc.stdout[-3000:]
-    assert all(float(c) > 0 for c in _column(proc.stdout, "scan_us")), proc.stdout[-3000:]
+    # marginal step times (time_scan): a number each, its sign noise at tiny CPU steps
+    assert all(np.isfinite(float(c)) for c in _column(proc.stdout, "scan_us")), \
+        proc.stdout[-3000:]
 
 
 def test_every_bench_name_has_its_script():
