@@ -86,49 +86,32 @@ def device_busy(fn: Callable, *args, calls: int = 20) -> tuple[float, float] | N
 def device_kernels(fn: Callable, *args, calls: int = 20,
                    by_order: bool = False) -> list[tuple[str, float, float]] | None:
     """``(name, GPU seconds per call, launches per call)`` of each kernel or copy that ``fn``
-    launches, longest first (CUPTI through ``torch.profiler``, as ``device_busy``); None
-    without torch. ``by_order``: a kernel launched n > 1 times a call (the two Mosaic GPU
-    decode launches share a name) gets a row per launch, ``#i name`` for its i-th launch of
-    the call in start order."""
-    try:
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-    except ImportError:
+    launches, longest first (``device_timeline``, summed by name); None without torch.
+    ``by_order``: a kernel launched n > 1 times a call (the two Mosaic GPU decode launches
+    share a name) gets a row per launch, ``#i name`` for its i-th launch of the call in start
+    order."""
+    events = device_timeline(fn, *args, calls=calls)
+    if events is None:
         return None
-    torch.cuda.init()
-    jax.block_until_ready(fn(*args))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-    if by_order:
-        events = sorted((ev for ev in prof.events()
-                         if ev.device_type == torch.autograd.DeviceType.CUDA),
-                        key=lambda ev: ev.time_range.start)
-        launches = collections.Counter(ev.name for ev in events)
-        seen, totals = collections.Counter(), {}
-        for ev in events:
-            n, rest = divmod(launches[ev.name], calls)  # launches a call
-            key = f"#{seen[ev.name] % n} {ev.name}" if n > 1 and not rest else ev.name
-            seen[ev.name] += 1
-            total, count = totals.get(key, (0.0, 0))
-            totals[key] = (total + ev.time_range.elapsed_us(), count + 1)
-        rows = [(k, t * 1e-6 / calls, c / calls) for k, (t, c) in totals.items()]
-        return sorted(rows, key=lambda r: -r[1])
-    rows = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "self_device_time_total", None)
-        if t is None:
-            t = getattr(ev, "self_cuda_time_total", 0.0)
-        if t > 0:
-            rows.append((ev.key, t * 1e-6 / calls, ev.count / calls))
+    launches = collections.Counter(name for name, _, _ in events)
+    seen, totals = collections.Counter(), {}
+    for name, start, end in events:
+        key = name
+        if by_order:
+            n, rest = divmod(launches[name], calls)  # launches a call
+            if n > 1 and not rest:
+                key = f"#{seen[name] % n} {name}"
+            seen[name] += 1
+        total, count = totals.get(key, (0.0, 0))
+        totals[key] = (total + end - start, count + 1)
+    rows = [(k, t * 1e-6 / calls, c / calls) for k, (t, c) in totals.items()]
     return sorted(rows, key=lambda r: -r[1])
 
 
 def device_timeline(fn: Callable, *args, calls: int = 3) -> list[tuple[str, float, float]] | None:
     """Every kernel and copy ``calls`` calls of ``fn(*args)`` put on the GPU, as ``(name, start
-    us, end us)`` in start order (CUPTI through ``torch.profiler``, as ``device_kernels``); None
-    without torch."""
+    us, end us)`` in start order, recorded by CUPTI through ``torch.profiler`` (process-wide,
+    so JAX's kernels are seen; after one call outside the record); None without torch."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile

@@ -47,6 +47,18 @@ def test_time_scan_runs_and_rotating():
     assert [float(call()[0]) for _ in range(4)] == [2.0, 3.0, 1.0, 2.0]
 
 
+def test_device_kernels_sums_the_timeline_by_name_and_launch(monkeypatch):
+    # two calls, each: kernel "a" twice (10 and 30 us), "b" once (5 us)
+    call = [("a", 0.0, 10.0), ("b", 12.0, 17.0), ("a", 20.0, 50.0)]
+    events = call + [(n, s + 100, e + 100) for n, s, e in call]
+    monkeypatch.setattr(_common, "device_timeline", lambda fn, *a, calls: events)
+    rows = _common.device_kernels(None, calls=2)
+    assert rows == [("a", pytest.approx(40e-6), 2.0), ("b", pytest.approx(5e-6), 1.0)]
+    rows = _common.device_kernels(None, calls=2, by_order=True)
+    assert rows == [("#1 a", pytest.approx(30e-6), 1.0), ("#0 a", pytest.approx(10e-6), 1.0),
+                    ("b", pytest.approx(5e-6), 1.0)]
+
+
 def test_device_busy_without_torch_is_none(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
     assert _common.device_busy(lambda: jnp.ones(3)) is None

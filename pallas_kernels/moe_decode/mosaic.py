@@ -42,7 +42,8 @@ row's K step (the step's partial then times ``2^(s_max - 127 + 6)``). The column
 needs no shuffles (``fp4_operand_order``) is applied to the activations instead
 (``permute_fp4_activations``). One wgmma a K step; NVFP4 accumulates in one accumulator,
 times ``2^6`` and the global scale at the end. The scales come from global memory, one
-8/16/32-bit load a row and step, a step ahead. The codes keep the checkpoint's layout.
+8/16/32-bit load a row and step (FP8: one scalar a step), issued ``SCALE_PREFETCH`` steps
+ahead. The codes keep the checkpoint's layout.
 Interpret mode builds the same operands with jnp (``_fp4_operands_jnp``).
 
 The full decode step (``moe_decode_mosaic_pairs``), five launches up to 1024 pairs: the plan
