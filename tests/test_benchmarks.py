@@ -59,6 +59,25 @@ def test_device_kernels_sums_the_timeline_by_name_and_launch(monkeypatch):
                     ("b", pytest.approx(5e-6), 1.0)]
 
 
+def test_timeline_rows_split_busy_and_idle(monkeypatch):
+    from benchmarks import moe_decode_hlo
+
+    def fake_timeline(prog, consts, stacked, calls):  # a step: two kernels, 1 us idle, a copy
+        steps = calls * stacked.shape[0]
+        step = [("k1", 0.0, 4.0), ("k2", 5.0, 7.0), ("Memcpy DtoH", 7.0, 8.0)]
+        return [(n, s + 10.0 * i, e + 10.0 * i) for i in range(steps) for n, s, e in step]
+
+    monkeypatch.setattr(moe_decode_hlo, "device_timeline", fake_timeline)
+    xs = [jnp.full((4,), float(i)) for i in range(2)]
+    rows = moe_decode_hlo.timeline_rows(lambda c, x: x * c, jnp.float32(2.0), xs)
+    assert [r["form"] for r in rows] == ["scan", "scan unroll 4", "straight-line"]
+    for r in rows:  # idle: 1 us inside a step, 2 us between steps (all but the last)
+        assert r["busy_us"] == pytest.approx(7.0) and r["launches"] == 3 and r["d2h"] == 1
+        n = 3 * 4
+        assert r["idle_us"] == pytest.approx((n * 1.0 + (n - 1) * 2.0) / n)
+        assert r["most_idle_before"].startswith("k1 1.83, k2 1.00")
+
+
 def test_device_busy_without_torch_is_none(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
     assert _common.device_busy(lambda: jnp.ones(3)) is None

@@ -24,7 +24,7 @@ from jax import export
 import atlas_jax as aj
 from atlas_jax.config import ActQuant, Format
 from pallas_kernels.grouped_matmul.config import WeightFormat
-from pallas_kernels.moe_decode import ExtraExperts, make_plan, moe_decode_pairs_reference
+from pallas_kernels.moe_decode import ExtraExperts, make_plan, moe_decode_pairs_reference, mosaic
 from pallas_kernels.moe_decode.kernel import RADIX_PLAN_MAX_PAIRS
 from pallas_kernels.moe_decode.mosaic import (
     ROWS,
@@ -107,6 +107,17 @@ def test_slot_matmul_writes_exactly_its_rows(fmt, k, k_splits):
     with its own global scale); an unused item and rows no item owns: those rows stay NaN.
     K split over programs: each split's scales (FP8 blocks, FP4 groups) at its own steps."""
     check_slot_matmul(fmt, k, compiled=False, k_splits=k_splits)
+
+
+@pytest.mark.parametrize("fmt", [FP8, NVFP4, MXFP4], ids=lambda f: f.value)
+@pytest.mark.parametrize("prefetch", [1, 5])  # the step before; further than the 3 steps
+def test_slot_matmul_scale_prefetch(fmt, prefetch, monkeypatch):
+    """Scales loaded 1 step ahead and more steps ahead than the program has (the queue clamped
+    to the last step): each step still gets its own scales."""
+    monkeypatch.setattr(mosaic, "SCALE_PREFETCH", prefetch)
+    jax.clear_caches()  # slot_matmul's traces read SCALE_PREFETCH
+    check_slot_matmul(fmt, 384, compiled=False)
+    jax.clear_caches()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
