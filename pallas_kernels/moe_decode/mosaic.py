@@ -276,7 +276,7 @@ def _kernel(
             operands_of = functools.partial(_fp4_operands_inline, tile=tile)
         first, advance = ahead(lambda kb: bits_of(at(kb)))
 
-        def operand(kb, w_smem, queue):
+        def step_operand(kb, w_smem, queue):
             """(this step's operand, its factors, the queue of the steps after it)."""
             bits, queue = advance(kb, queue)
             factors = factors_of(bits)
@@ -285,7 +285,7 @@ def _kernel(
         if fmt == "mxfp4":
             def step(idx, w_smem, a_smem, carry):
                 acc, queue = carry
-                w, factors, queue = operand(idx[0], w_smem, queue)
+                w, factors, queue = step_operand(idx[0], w_smem, queue)
 
                 def mma(part):
                     plgpu.wgmma(part, w, a_smem.transpose((1, 0)))  # [bn, bk] x [bk, WINDOW]
@@ -304,7 +304,7 @@ def _kernel(
 
         def nv_step(idx, w_smem, a_smem, carry):
             acc_ref, queue = carry
-            w, _, queue = operand(idx[0], w_smem, queue)
+            w, _, queue = step_operand(idx[0], w_smem, queue)
             plgpu.wgmma(acc_ref, w, a_smem.transpose((1, 0)))
             plgpu.wgmma_wait(0)  # w's registers and the activation tile are free again
             return acc_ref, queue
