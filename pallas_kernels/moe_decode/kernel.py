@@ -303,9 +303,12 @@ def num_items(slots: int, pairs: int, item_rows: int) -> int:
 
 
 def _plan_call(kernel, expert_ids: jax.Array, num_experts: int, *, name: str, num_warps: int,
-               interpret: bool, item_rows: int | None) -> DecodePlan:
-    """One Pallas program ``kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref,
-    [items_ref], p=, k=, num_experts=, item_rows=)`` over the flat pair ids: the plan."""
+               interpret: bool, item_rows: int | None, inputs: tuple = (),
+               outputs: tuple = (), grid: tuple[int, ...] = ()):
+    """Pallas ``kernel(ids_ref, *inputs' refs, work_ref, token_of_row_ref, row_of_pair_ref,
+    [items_ref], *outputs' refs, p=, k=, num_experts=, item_rows=)`` over the flat pair ids
+    (one program; ``grid`` for more): the plan, or ``(plan, outputs)`` given ``outputs``
+    (ShapeDtypeStructs of more results)."""
     t, k = expert_ids.shape
     p = t * k
     slots = min(num_experts, p)
@@ -315,16 +318,18 @@ def _plan_call(kernel, expert_ids: jax.Array, num_experts: int, *, name: str, nu
                  jax.ShapeDtypeStruct((p,), jnp.int32)]
     if item_rows is not None:
         out_shape.append(jax.ShapeDtypeStruct((3, num_items(slots, p, item_rows)), jnp.int32))
-    work, token_of_row, row_of_pair, *items = pl.pallas_call(
+    work, token_of_row, row_of_pair, *rest = pl.pallas_call(
         functools.partial(kernel, p=p, k=k, num_experts=num_experts, item_rows=item_rows),
-        out_shape=out_shape,
+        out_shape=out_shape + list(outputs),
+        grid=grid,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=name,
-    )(flat)
-    return DecodePlan(work=work, token_of_row=token_of_row, row_of_pair=row_of_pair.reshape(t, k),
-                      routed=_plan_keys(flat, num_experts)[1].reshape(t, k),
-                      items=items[0] if items else None)
+    )(flat, *inputs)
+    items = rest.pop(0) if item_rows is not None else None  # rest: then the outputs
+    plan = DecodePlan(work=work, token_of_row=token_of_row, row_of_pair=row_of_pair.reshape(t, k),
+                      routed=_plan_keys(flat, num_experts)[1].reshape(t, k), items=items)
+    return (plan, tuple(rest)) if outputs else plan
 
 
 def _pallas_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool,

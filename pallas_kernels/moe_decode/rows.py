@@ -36,9 +36,8 @@ from pallas_kernels.moe_decode.kernel import (
     DecodePlan,
     _epilogue,
     _pair_rows,
+    _plan_call,
     _plan_kernel,
-    _plan_keys,
-    num_items,
 )
 from pallas_kernels.paged_attention.decode import _pow2_row_scales
 
@@ -194,26 +193,13 @@ def plan_x_rows(x: jax.Array, expert_ids: jax.Array, num_experts: int, rows: int
         raise ValueError(f"plan_x_rows: {p} pairs, at most {PALLAS_PLAN_MAX_PAIRS}")
     if rows < p:
         raise ValueError(f"plan_x_rows: {rows} rows for {p} pairs")
-    slots = min(num_experts, p)
-    flat = expert_ids.reshape(p).astype(jnp.int32)
-    kernel = functools.partial(_plan_x_rows_kernel, p=p, k=k, num_experts=num_experts,
-                               item_rows=item_rows, block_k=block_k)
-    work, token_of_row, row_of_pair, items, a, factor = pl.pallas_call(
-        kernel,
-        out_shape=[jax.ShapeDtypeStruct((3, slots), jnp.int32),
-                   jax.ShapeDtypeStruct((p,), jnp.int32),
-                   jax.ShapeDtypeStruct((p,), jnp.int32),
-                   jax.ShapeDtypeStruct((3, num_items(slots, p, item_rows)), jnp.int32),
-                   jax.ShapeDtypeStruct((rows, x.shape[1]), jnp.float16),
-                   jax.ShapeDtypeStruct((rows,), jnp.float32)],
-        grid=(rows,),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="moe_decode_plan_x_rows",
-    )(flat, x)
-    plan = DecodePlan(work=work, token_of_row=token_of_row, row_of_pair=row_of_pair.reshape(t, k),
-                      routed=_plan_keys(flat, num_experts)[1].reshape(t, k), items=items)
-    return plan, (a, factor)
+    kernel = functools.partial(_plan_x_rows_kernel, block_k=block_k)
+    return _plan_call(
+        kernel, expert_ids, num_experts, name="moe_decode_plan_x_rows", num_warps=4,
+        interpret=interpret, item_rows=item_rows, inputs=(x,),
+        outputs=(jax.ShapeDtypeStruct((rows, x.shape[1]), jnp.float16),
+                 jax.ShapeDtypeStruct((rows,), jnp.float32)),
+        grid=(rows,))
 
 
 def h_rows(gu: jax.Array, factor: jax.Array, *, splits: int = 1,
