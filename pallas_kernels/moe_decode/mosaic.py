@@ -157,8 +157,8 @@ def _kernel(
     #   permute_fp4_activations(., tile)
     *rest,  # per stack (main, [extra]): w [E, N, K] e4m3 | bf16, or [E, N, K/2] u8
     #   (FP4); FP8: scale [E, cdiv(N, b0), cdiv(K, b1)] f32; NVFP4: scale [E, N, K/16] e4m3,
-    #   global [E, R] f32; MXFP4: scale [E, N, K/32] u8. Then out [R, N] f32, o_smem
-    #   [WINDOW, BLOCK_N] f32, [w_stage (interpret mode): [BLOCK_N, bk] 16-bit]
+    #   global [E, R] f32; MXFP4: scale [E, N, K/32] u8. Then out [R, N] f32, [w_stage
+    #   (interpret mode): [BLOCK_N, bk] 16-bit]
     tile: SlotTile,
     fmt: str,  # "bf16" | "fp8" | "nvfp4" | "mxfp4"
     fp8_block: tuple[int, int] | None,
@@ -170,7 +170,7 @@ def _kernel(
 ):
     per_stack = _stack_size(fmt)
     stacks = [rest[i * per_stack:(i + 1) * per_stack] for i in range(num_stacks)]
-    o_gmem, o_smem, *w_stage = rest[num_stacks * per_stack:]
+    o_gmem, *w_stage = rest[num_stacks * per_stack:]
     w_dtype = stacks[0][0].dtype
     bn, bk = BLOCK_N, tile.block_k
     u, nt = lax.axis_index("w"), lax.axis_index("n")
@@ -337,7 +337,7 @@ def _kernel(
 
         return pl.run_scoped(run, plgpu.ACC((bn, WINDOW), jnp.float32))
 
-    def store_rows(offset):
+    def store_rows(o_smem, offset):
         """The item's rows ``[offset, offset + num_rows)`` of ``o_smem`` to ``out`` rows
         ``[out_row, out_row + num_rows)``: one TMA store per set bit of ``num_rows`` (<=
         ROWS)."""
@@ -369,11 +369,16 @@ def _kernel(
             case _:
                 acc = fp4_steps(w_tile, a_tile, scales[0],
                                 scales[1] if fmt == "nvfp4" else None, e)
-        # o_smem[r, n] = acc[n, r]: the accumulator stored transposed
-        o_smem.transpose((1, 0))[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
-        plgpu.commit_smem()
-        store_rows(start - row0)
-        plgpu.wait_smem_to_gmem(0)
+
+        def store(o_smem):  # o_smem[r, n] = acc[n, r]: the accumulator stored transposed
+            o_smem.transpose((1, 0))[...] = plgpu.layout_cast(acc,
+                                                              plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.commit_smem()
+            store_rows(o_smem, start - row0)
+            plgpu.wait_smem_to_gmem(0)
+
+        # scoped after the pipeline's scope has closed: the store's SMEM reuses its buffers
+        pl.run_scoped(store, plgpu.SMEM((WINDOW, bn), jnp.float32))
 
     main_experts = stacks[0][0].shape[0]
 
@@ -798,7 +803,7 @@ def slot_matmul(
         out_type=jax.ShapeDtypeStruct((k_splits * rows_a, n), jnp.float32),
         grid=(work.shape[1], n // bn) + ((k_splits,) if k_splits > 1 else ()),
         grid_names=("w", "n") + (("s",) if k_splits > 1 else ()),
-        scratch_types=[plgpu.SMEM((WINDOW, bn), jnp.float32)] + stage,
+        scratch_types=stage,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
