@@ -94,6 +94,7 @@ from pallas_kernels.moe_decode.kernel import (
 from pallas_kernels.moe_decode.rows import expert_of_rows, h_rows, plan_x_rows, x_rows
 
 ROWS = 16  # rows of one work item
+NUM_STAGES = 3  # TMA stages in flight: 31 KB of SMEM a CTA, 7 CTAs an SM (H200 sweep: NOTES)
 SCALE_PREFETCH = 3  # K steps a scale load is issued before its step (1: the step before)
 WINDOW = ROWS + 8  # activation rows a program reads (the wgmma's N): from an 8-aligned row
 BLOCK_N = 64  # weight rows a program (the wgmma's M)
@@ -105,7 +106,7 @@ class SlotTile:
     pipeline step, ``num_stages`` TMA stages in flight."""
 
     block_k: int = 128
-    num_stages: int = 4
+    num_stages: int = NUM_STAGES
 
     def __post_init__(self):
         if self.block_k not in (64, 128):
@@ -115,9 +116,11 @@ class SlotTile:
                 f"SlotTile.num_stages: expected an int in [2, 8], got {self.num_stages!r}")
 
 
-def choose_slot_tile(k: int, num_stages: int = 4) -> SlotTile:
-    """Pure heuristic: K steps of 128 where they divide K, else 64."""
-    return SlotTile(block_k=128 if k % 128 == 0 else 64, num_stages=num_stages)
+def choose_slot_tile(k: int, num_stages: int | None = None) -> SlotTile:
+    """Pure heuristic: K steps of 128 where they divide K, else 64; ``NUM_STAGES`` stages
+    unless given."""
+    return SlotTile(block_k=128 if k % 128 == 0 else 64,
+                    num_stages=NUM_STAGES if num_stages is None else num_stages)
 
 
 def choose_k_splits(items: int, n: int, k: int, tile: SlotTile, *, sms: int = 132,
