@@ -122,8 +122,8 @@ def bench(shapes, formats, token_counts, stages, *, hbm: float, profile: bool = 
                            MB=nbytes / 1e6)
                 variants = {"triton": _steps(fmt, static)[0]}
                 for s, splits in itertools.product(stages, k_splits):
-                    tiles = (choose_slot_tile(cfg.hidden_size, s),
-                             choose_slot_tile(cfg.intermediate_size, s))
+                    tiles = (choose_slot_tile(cfg.hidden_size, s, fmt),
+                             choose_slot_tile(cfg.intermediate_size, s, fmt))
                     name = f"mosaic_s{s}" + ("" if splits == "auto" else
                                              "_k" + "x".join(map(str, splits)))
                     variants[name] = _steps(fmt, static, tiles, splits)[1]

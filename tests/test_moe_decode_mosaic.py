@@ -129,7 +129,23 @@ def test_compiled_slot_matmul_on_gpu(fmt, k, k_splits):
     check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits)
 
 
-def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1):
+@pytest.mark.parametrize("fmt", [FP8, BF16], ids=lambda f: f.value)
+@pytest.mark.parametrize("k,k_splits", [(192, 1), (192, 2), (320, 3)])  # 128 + 64; 2 x 128 + 64
+def test_slot_matmul_ragged_k(fmt, k, k_splits):
+    """FP8 and BF16 in K steps of 128 where 128 does not divide K: the last step half past K
+    (the interpreter pads K with zeros, as the TMA fills them), alone or in its own split."""
+    check_slot_matmul(fmt, k, compiled=False, k_splits=k_splits, block_k=128)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
+@pytest.mark.parametrize("fmt", [FP8, BF16], ids=lambda f: f.value)
+@pytest.mark.parametrize("k,k_splits", [(192, 1), (192, 2), (320, 3), (2880, 1)])
+def test_compiled_slot_matmul_ragged_k(fmt, k, k_splits):
+    """The ragged last step through the compiled kernels: the TMA's zero fill past K."""
+    check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, block_k=128)
+
+
+def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, block_k: int | None = None):
     rng = np.random.default_rng(3)
     n, p = 128, 45  # two 64-row column tiles
     fp8_block = FP8_BLOCK
@@ -141,7 +157,7 @@ def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1):
                                  [4, 0, 0], [2, 42, 3]]).T, jnp.int32)
     a_dtype = jnp.bfloat16 if fmt is BF16 else jnp.float16
     a = jnp.asarray(rng.standard_normal((window_rows(p), k)), a_dtype)
-    tile = choose_slot_tile(k)
+    tile = choose_slot_tile(k) if block_k is None else SlotTile(block_k=block_k)
     a_kernel = permute_fp4_activations(a, tile) if fmt in FP4 else a
     fp8_block = fp8_block if fmt is FP8 else None
     out = slot_matmul(work, a_kernel, w["w"], scale, None, global_scale, fmt=name,
@@ -261,15 +277,23 @@ def test_slot_matmul_bad_inputs_raise():
         slot_matmul(work, a, w, jnp.ones((2, 4, 1)), fp8_block=(32, 128))
     with pytest.raises(ValueError, match="SlotTile.block_k"):
         SlotTile(block_k=32)
+    with pytest.raises(NotImplementedError, match=r"K=96 must be a multiple of block_k=128 \(or "
+                       r"of 64\)"):
+        slot_matmul(work, a[:, :96], w[..., :96], s, fp8_block=FP8_BLOCK)
+    with pytest.raises(NotImplementedError, match="K=192 must be a multiple of block_k=128\n"):
+        slot_matmul(work, jnp.zeros((window_rows(4), 192), jnp.float16),
+                    jnp.zeros((2, 128, 96), jnp.uint8), jnp.zeros((2, 128, 12), jnp.uint8),
+                    fmt="mxfp4", tile=SlotTile(block_k=128))
 
 
 # ---------------------------------------------------------------------------------------------
 # The decode step against the reference.
 # ---------------------------------------------------------------------------------------------
 
-CASES = [  # (T, k, format, variant, patterns); k_splits: gate_up's 3 K steps in 3 programs
+CASES = [  # (T, k, format, variant, patterns); k_splits: gate_up's K steps (FP4: three of 64;
+    #   FP8: 128 and a ragged 64) in as many programs
     (1, 4, FP8, dict(), ("random",)),
-    (1, 4, FP8, dict(k_splits=(3, 1)), ("random",)),
+    (1, 4, FP8, dict(k_splits=(2, 1)), ("random",)),
     (3, 3, FP8, dict(activation="silu", limit=0.3, bias=True), ("random", "zero_experts")),
     (8, 2, FP8, dict(activation="gpt_oss", gate_up_layout="interleaved", limit=0.5,
                      bias=True), ("repeated", "dup_in_token")),
@@ -310,6 +334,9 @@ def test_choose_k_splits():
     assert choose_k_splits(128, 1536, 2048, gate_up) == 1  # 64 tokens: 3072 programs
     assert choose_k_splits(1, 128, 2048, gate_up) == 8  # 2 programs: 8 splits of 2 steps
     assert choose_k_splits(4, 2880, 2880, choose_slot_tile(2880)) == 3  # 45 steps, 180 progs
+    ragged = choose_slot_tile(2880, fmt="fp8")  # 23 steps of 128, the last one ragged
+    assert ragged.block_k == 128 and choose_slot_tile(2880, fmt="mxfp4").block_k == 64
+    assert choose_k_splits(4, 2880, 2880, ragged) == 1  # 23 steps: no divisor
 
 
 @pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4], ids=lambda f: f.value)
@@ -431,9 +458,10 @@ class TestLowersForHopper:
 
     @pytest.mark.parametrize("fmt,n,k,k_splits", [
         (FP8, 1536, 2048, 1),  # Qwen3-30B-A3B gate_up
-        (FP8, 2880, 2880, 1),  # gpt-oss-120b down: 64-wide K steps
+        (FP8, 2880, 2880, 1),  # gpt-oss-120b down: 23 K steps of 128, the last ragged
         (FP8, 1536, 2048, 2),  # K over two programs
         (BF16, 2048, 768, 1),  # Qwen3-30B-A3B down
+        (BF16, 2880, 2880, 1),  # 23 K steps of 128, the last ragged
         (NVFP4, 1536, 2048, 1),
         (NVFP4, 1536, 2048, 2),
         (NVFP4, 2048, 768, 2),
@@ -473,7 +501,7 @@ class TestLowersForHopper:
             w, scale, glob = (*main_, *pad)
             return slot_matmul(work, a, w, scale, (*extra_, *pad), glob, fmt=name,
                                fp8_block=(128, 128) if fmt is FP8 else None,
-                               tile=choose_slot_tile(k), k_splits=k_splits)
+                               tile=choose_slot_tile(k, fmt=name), k_splits=k_splits)
 
         text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
         assert "mosaic_gpu" in text

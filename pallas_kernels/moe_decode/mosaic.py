@@ -32,6 +32,8 @@ Formats: FP8_BLOCK (e4m3 weights, f32 block scales ``[E, cdiv(N, b0), cdiv(K, b1
 step's partial is multiplied by its block scale; 64 divides ``b0`` and ``block_k`` divides
 ``b1``) with f16 activations scaled per row by a power of two into f16 range (exact for bf16
 inputs, as the Triton kernels' ``f16_dot`` route), and BF16 weights with bf16 activations.
+These two take K steps of 128 for any K that is a multiple of 64 (gpt-oss's 2880: 23 steps):
+the last step reads past K, which the TMA fills with zeros in both operands.
 NVFP4 and MXFP4 (``[E, N, K/2]`` u8 codes, low nibble = even k): the code tile goes to SMEM by
 TMA (one swizzled tile a row); an ``inline_mgpu`` block (``_fp4_operands_inline``) gives each
 thread its own bytes of its two rows (one SMEM vector load a row), places each nibble's bits
@@ -116,11 +118,18 @@ class SlotTile:
                 f"SlotTile.num_stages: expected an int in [2, 8], got {self.num_stages!r}")
 
 
-def choose_slot_tile(k: int, num_stages: int | None = None) -> SlotTile:
-    """Pure heuristic: K steps of 128 where they divide K, else 64; ``NUM_STAGES`` stages
-    unless given."""
-    return SlotTile(block_k=128 if k % 128 == 0 else 64,
+def choose_slot_tile(k: int, num_stages: int | None = None, fmt: str | None = None) -> SlotTile:
+    """Pure heuristic: K steps of 128 where they divide K, else 64; FP8 and BF16 (``fmt``)
+    take steps of 128 for any K that is a multiple of 64 (the last step ragged). Stages:
+    ``NUM_STAGES`` unless given."""
+    ragged = fmt in _RAGGED_FORMATS and k % 64 == 0
+    return SlotTile(block_k=128 if k % 128 == 0 or ragged else 64,
                     num_stages=NUM_STAGES if num_stages is None else num_stages)
+
+
+def num_k_steps(k: int, tile: SlotTile) -> int:
+    """K steps of ``tile`` over K (the last one ragged where ``block_k`` does not divide K)."""
+    return -(-k // tile.block_k)
 
 
 def choose_k_splits(items: int, n: int, k: int, tile: SlotTile, *, sms: int = 132,
@@ -129,7 +138,7 @@ def choose_k_splits(items: int, n: int, k: int, tile: SlotTile, *, sms: int = 13
     program) whose ``items * n / BLOCK_N * split`` programs stay within 1.25 x ``per_sm`` programs
     an SM (``items``: the work items expected, e.g. ``min(experts, tokens * top_k)``);
     ``moe_decode_mosaic_pairs``' default (``k_splits="auto"``)."""
-    steps = k // tile.block_k
+    steps = num_k_steps(k, tile)
     programs = max(items, 1) * (n // BLOCK_N)
     best = 1
     for d in range(2, steps // 2 + 1):
@@ -177,7 +186,7 @@ def _kernel(
     w_dtype = stacks[0][0].dtype
     bn, bk = BLOCK_N, tile.block_k
     u, nt = lax.axis_index("w"), lax.axis_index("n")
-    num_steps = k // tile.block_k // k_splits  # K steps of this program
+    num_steps = num_k_steps(k, tile) // k_splits  # K steps of this program
     split = lax.axis_index("s") if k_splits > 1 else None
 
     def at(kb):
@@ -210,12 +219,17 @@ def _kernel(
     fp4 = fmt in ("nvfp4", "mxfp4")
     # codes: a swizzled tile a row (a thread's SMEM vector loads); activations: the widest
     # swizzle (K-major wgmma B operand)
-    w_spec = plgpu.BlockSpec((bn, bk // 2 if fp4 else bk), lambda kb: (0, kb),
+    # K step kb of this program is step at(kb) of the whole K: the tiles are not sliced along
+    # K (a ragged last step reads past K, which the TMA fills with zeros)
+    # the TMA tiles the weights' GMEM by the swizzle's columns, which must divide K: a ragged
+    # FP8 K (a multiple of 64) takes the 64-byte swizzle
+    w_row_bytes = (64 if k % bk else bk) * w_dtype.itemsize
+    w_spec = plgpu.BlockSpec((bn, bk // 2 if fp4 else bk), lambda kb: (0, at(kb)),
                              transforms=_code_transforms(bk) if fp4 else _transforms(
-                                 bk * w_dtype.itemsize, w_dtype.itemsize))
+                                 w_row_bytes, w_dtype.itemsize))
     # 16-bit weights: the wgmma of step kb still reads its activation tile while step kb + 1
     # runs (delay_release), each step waits only for the one before.
-    a_spec = plgpu.BlockSpec((WINDOW, bk), lambda kb: (0, kb),
+    a_spec = plgpu.BlockSpec((WINDOW, bk), lambda kb: (0, at(kb)),
                              transforms=_transforms(bk * a_dtype.itemsize, a_dtype.itemsize),
                              delay_release=1 if fmt == "bf16" else 0)
 
@@ -360,10 +374,6 @@ def _kernel(
         """This item's rows through expert ``e`` of one stack, stored."""
         w_tile = w_gmem.at[e, pl.ds(n0, bn)]
         a_tile = a_gmem.at[pl.ds(row0, WINDOW)]
-        if split is not None:  # this program's K steps
-            w_bk = bk // 2 if fp4 else bk  # weight columns a K step
-            w_tile = w_tile.at[:, pl.ds(at(0) * w_bk, num_steps * w_bk)]
-            a_tile = a_tile.at[:, pl.ds(at(0) * bk, num_steps * bk)]
         match fmt:  # acc [bn, WINDOW]
             case "bf16":
                 acc = plain_steps(w_tile, a_tile)
@@ -673,6 +683,9 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
 _W_DTYPE = {"bf16": (jnp.bfloat16,), "fp8": (jnp.float8_e4m3fn,),
             "nvfp4": (jnp.uint8,), "mxfp4": (jnp.uint8,)}
 FORMATS = tuple(_W_DTYPE)  # the kernels' format names
+# formats whose K need not be a multiple of block_k (a multiple of 64: a ragged last step; FP4's
+# activation order and scale loads work in whole steps)
+_RAGGED_FORMATS = ("bf16", "fp8")
 
 
 def activation_dtype(fmt: str) -> jnp.dtype:
@@ -691,8 +704,9 @@ def unsupported_reason(fmt: str, w_dtype, n: int, k: int, *,
     w_dtype = jnp.dtype(w_dtype)
     if w_dtype not in [jnp.dtype(d) for d in _W_DTYPE[fmt]]:
         return f"w: dtype {w_dtype} is not {fmt} data"
-    if k % tile.block_k:
-        return f"w: K={k} must be a multiple of block_k={tile.block_k}"
+    if k % tile.block_k and (fmt not in _RAGGED_FORMATS or k % 64):
+        return (f"w: K={k} must be a multiple of block_k={tile.block_k}"
+                + (" (or of 64)" if fmt in _RAGGED_FORMATS else ""))
     if n % BLOCK_N:
         return f"w: N={n} must be a multiple of {BLOCK_N} (the weight rows a program)"
     if (fp8_block is not None) != (fmt == "fp8"):
@@ -755,9 +769,10 @@ def slot_matmul(
                                 global_rows=global_rows, tile=tile)
     if reason:
         raise NotImplementedError(reason)
-    if not isinstance(k_splits, int) or k_splits < 1 or (k // tile.block_k) % k_splits:
-        raise ValueError(f"k_splits: expected a positive int dividing the {k // tile.block_k} "
-                         f"K steps, got {k_splits!r}")
+    steps = num_k_steps(k, tile)
+    if not isinstance(k_splits, int) or k_splits < 1 or steps % k_splits:
+        raise ValueError(f"k_splits: expected a positive int dividing the {steps} K steps, got "
+                         f"{k_splits!r}")
     want_a = (rows_a, k)
     if a.shape != want_a or a.dtype != activation_dtype(fmt):
         raise ValueError(f"a: expected {want_a} {activation_dtype(fmt)}, got {a.shape} "
@@ -773,6 +788,13 @@ def slot_matmul(
                 return (e, n, k // 32), jnp.uint8
         return None, None
 
+    ragged = num_k_steps(k, tile) * tile.block_k - k
+
+    def pad_k(v):
+        """The interpreter's twin of the TMA's zero fill past K (it would clamp a ragged last
+        step's slice): ``v``'s last axis zero-padded to whole steps; compiled: ``v``."""
+        return jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, ragged)]) if interpret and ragged else v
+
     stacks = [("", (w, scale, global_scale))]
     if extra is not None:
         stacks.append(("extra_", tuple(extra) + (None,) * (3 - len(extra))))
@@ -781,7 +803,7 @@ def slot_matmul(
         if ws.ndim != 3 or ws.shape[1:] != w.shape[1:] or ws.dtype != w.dtype:
             raise ValueError(f"{prefix}w: expected [E, {n}, {w.shape[2]}] {w.dtype}, got "
                              f"{ws.shape} {ws.dtype}")
-        operands.append(ws)
+        operands.append(pad_k(ws))
         want, dtype = scale_shape(ws.shape[0])
         if want is None:
             if ss is not None:
@@ -811,7 +833,7 @@ def slot_matmul(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    out = kernel(work, a, *operands)
+    out = kernel(work, pad_k(a), *operands)
     if k_splits == 1 or not sum_splits:
         return out
     return out.reshape(k_splits, rows_a, n).sum(axis=0)
@@ -947,7 +969,7 @@ def moe_decode_mosaic_pairs(
     p = expert_ids.size
     rows = window_rows(p)  # sorted rows, then rows no item owns (inside the last windows)
     if tile is None:
-        tile = (choose_slot_tile(hidden), choose_slot_tile(inter))
+        tile = (choose_slot_tile(hidden, fmt=fmt), choose_slot_tile(inter, fmt=fmt))
 
     def order(t):  # FP4: the activations in the operand column order of t's K steps
         return t.block_k if packed == 2 else None
