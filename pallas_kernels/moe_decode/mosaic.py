@@ -122,8 +122,7 @@ def choose_slot_tile(k: int, num_stages: int | None = None, fmt: str | None = No
     """Pure heuristic: K steps of 128 where they divide K, else 64; FP8 and BF16 (``fmt``)
     take steps of 128 for any K that is a multiple of 64 (the last step ragged). Stages:
     ``NUM_STAGES`` unless given."""
-    ragged = fmt in _RAGGED_FORMATS and k % 64 == 0
-    return SlotTile(block_k=128 if k % 128 == 0 or ragged else 64,
+    return SlotTile(block_k=128 if k % 128 == 0 or _takes_ragged_k(fmt, k) else 64,
                     num_stages=NUM_STAGES if num_stages is None else num_stages)
 
 
@@ -688,6 +687,11 @@ FORMATS = tuple(_W_DTYPE)  # the kernels' format names
 _RAGGED_FORMATS = ("bf16", "fp8")
 
 
+def _takes_ragged_k(fmt: str | None, k: int) -> bool:
+    """Whether ``fmt`` runs a K that steps of 128 do not divide (a ragged last step)."""
+    return fmt in _RAGGED_FORMATS and k % 64 == 0
+
+
 def activation_dtype(fmt: str) -> jnp.dtype:
     """The activations' dtype for weights of ``fmt``: bf16 for BF16 weights, else f16 (rows
     scaled into f16 range by a power of two)."""
@@ -704,7 +708,7 @@ def unsupported_reason(fmt: str, w_dtype, n: int, k: int, *,
     w_dtype = jnp.dtype(w_dtype)
     if w_dtype not in [jnp.dtype(d) for d in _W_DTYPE[fmt]]:
         return f"w: dtype {w_dtype} is not {fmt} data"
-    if k % tile.block_k and (fmt not in _RAGGED_FORMATS or k % 64):
+    if k % tile.block_k and not _takes_ragged_k(fmt, k):
         return (f"w: K={k} must be a multiple of block_k={tile.block_k}"
                 + (" (or of 64)" if fmt in _RAGGED_FORMATS else ""))
     if n % BLOCK_N:
@@ -788,7 +792,7 @@ def slot_matmul(
                 return (e, n, k // 32), jnp.uint8
         return None, None
 
-    ragged = num_k_steps(k, tile) * tile.block_k - k
+    ragged = steps * tile.block_k - k
 
     def pad_k(v):
         """The interpreter's twin of the TMA's zero fill past K (it would clamp a ragged last
