@@ -129,6 +129,40 @@ def test_compiled_slot_matmul_on_gpu(fmt, k, k_splits):
     check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits)
 
 
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
+@pytest.mark.parametrize("k,k_splits", [(256, 1), (768, 1), (768, 3)])
+def test_slot_matmul_fp4_steps_of_256(fmt, k, k_splits):
+    """NVFP4 and MXFP4 in K steps of 256 (a thread's 64 columns: four NVFP4 groups, two MXFP4
+    ones; MXFP4's factors against the max of eight scales), in one program or one a step."""
+    check_slot_matmul(fmt, k, compiled=False, k_splits=k_splits, block_k=256)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
+@pytest.mark.parametrize("k,k_splits", [(256, 1), (768, 1), (768, 3), (2048, 2)])
+def test_compiled_slot_matmul_fp4_steps_of_256(fmt, k, k_splits):
+    """The compiled 256-wide FP4 steps (two 16-byte code loads a row, four factor slots, two
+    scale words for MXFP4)."""
+    check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, block_k=256)
+
+
+@pytest.mark.parametrize("k,k_splits", [(192, 1), (576, 1), (576, 3), (960, 5)])
+def test_slot_matmul_mxfp4_steps_of_192(k, k_splits):
+    """MXFP4 in K steps of 192 (gpt-oss's K = 2880 is 15 of them): a thread's 48 columns span
+    two E8M0 groups, in a different place for each thread of a quad; rows of K / 32 = 6, 18
+    and 30 scale bytes (2-byte loads)."""
+    check_slot_matmul(MXFP4, k, compiled=False, k_splits=k_splits, block_k=192)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
+@pytest.mark.parametrize("k,k_splits", [(192, 1), (576, 1), (576, 3), (960, 5), (2880, 1),
+                                        (2880, 3)])
+def test_compiled_slot_matmul_mxfp4_steps_of_192(k, k_splits):
+    """The compiled 192-wide MXFP4 steps (96-byte code rows in tiles of the 32-byte swizzle,
+    three 8-byte loads a row)."""
+    check_slot_matmul(MXFP4, k, compiled=True, k_splits=k_splits, block_k=192)
+
+
 @pytest.mark.parametrize("fmt", [FP8, BF16], ids=lambda f: f.value)
 @pytest.mark.parametrize("k,k_splits", [(192, 1), (192, 2), (320, 3)])  # 128 + 64; 2 x 128 + 64
 def test_slot_matmul_ragged_k(fmt, k, k_splits):
@@ -225,7 +259,7 @@ def test_work_items_cut_each_slot_into_chunks(pattern, t, k):
     assert (np.diff(istart[live]) > 0).all(), "items in sorted-row order"
 
 
-@pytest.mark.parametrize("block_k", [64, 128])
+@pytest.mark.parametrize("block_k", [64, 128, 192, 256])
 def test_fp4_activation_order(block_k):
     """A permutation of each K step; thread c of a quad reads K columns [c bk/4, (c+1) bk/4)
     (its bytes of the code row): operand h, column 8j + 2c + q is, of its word h // 2, nibble
@@ -275,8 +309,12 @@ def test_slot_matmul_bad_inputs_raise():
         slot_matmul(work, a, w[:, :96], s, fp8_block=FP8_BLOCK)
     with pytest.raises(NotImplementedError, match="FP8 block"):
         slot_matmul(work, a, w, jnp.ones((2, 4, 1)), fp8_block=(32, 128))
-    with pytest.raises(ValueError, match="SlotTile.block_k"):
+    with pytest.raises(ValueError, match="SlotTile.block_k: expected 64, 128, 192 or 256"):
         SlotTile(block_k=32)
+    with pytest.raises(NotImplementedError, match="block_k=256 takes NVFP4 or MXFP4 weights"):
+        slot_matmul(work, a, w, s, fp8_block=FP8_BLOCK, tile=SlotTile(block_k=256))
+    with pytest.raises(NotImplementedError, match="block_k=192 takes MXFP4 weights"):
+        slot_matmul(work, a, w, s, fp8_block=FP8_BLOCK, tile=SlotTile(block_k=192))
     with pytest.raises(NotImplementedError, match=r"K=96 must be a multiple of block_k=128 \(or "
                        r"of 64\)"):
         slot_matmul(work, a[:, :96], w[..., :96], s, fp8_block=FP8_BLOCK)
@@ -290,8 +328,9 @@ def test_slot_matmul_bad_inputs_raise():
 # The decode step against the reference.
 # ---------------------------------------------------------------------------------------------
 
-CASES = [  # (T, k, format, variant, patterns); k_splits: gate_up's K steps (FP4: three of 64;
-    #   FP8: 128 and a ragged 64) in as many programs
+CASES = [  # (T, k, format, variant, patterns); k_splits: gate_up's K steps (FP4: three of 64,
+    #   MXFP4 given that tile, its own being one step of 192; FP8: 128 and a ragged 64) in as
+    #   many programs
     (1, 4, FP8, dict(), ("random",)),
     (1, 4, FP8, dict(k_splits=(2, 1)), ("random",)),
     (3, 3, FP8, dict(activation="silu", limit=0.3, bias=True), ("random", "zero_experts")),
@@ -307,7 +346,7 @@ CASES = [  # (T, k, format, variant, patterns); k_splits: gate_up's K steps (FP4
                        bias=True), ("repeated", "dup_in_token")),
     (1, 4, MXFP4, dict(), ("random",)),
     (2, 4, NVFP4, dict(k_splits=(3, 1)), ("random",)),
-    (1, 4, MXFP4, dict(k_splits=(3, 1)), ("random",)),
+    (1, 4, MXFP4, dict(k_splits=(3, 1), tile=(SlotTile(block_k=64),) * 2), ("random",)),
 ]
 
 
@@ -316,7 +355,7 @@ CASES = [  # (T, k, format, variant, patterns); k_splits: gate_up's K steps (FP4
 def test_pairs_against_reference(t, k, fmt, variant, patterns):
     variant = dict(variant)
     kw = arrays(fmt, bias=variant.pop("bias", False))
-    opts = {key: variant.pop(key) for key in ("k_splits",) if key in variant}
+    opts = {key: variant.pop(key) for key in ("k_splits", "tile") if key in variant}
     x = x_rows(t)
     for i, pattern in enumerate(patterns):
         ids = routing(pattern, t, k, seed=i)
@@ -335,7 +374,14 @@ def test_choose_k_splits():
     assert choose_k_splits(1, 128, 2048, gate_up) == 8  # 2 programs: 8 splits of 2 steps
     assert choose_k_splits(4, 2880, 2880, choose_slot_tile(2880)) == 3  # 45 steps, 180 progs
     ragged = choose_slot_tile(2880, fmt="fp8")  # 23 steps of 128, the last one ragged
-    assert ragged.block_k == 128 and choose_slot_tile(2880, fmt="mxfp4").block_k == 64
+    assert ragged.block_k == 128 and ragged.num_stages == mosaic.NUM_STAGES
+    for fmt in ("nvfp4", "mxfp4"):  # FP4: steps of 256 where they divide K
+        assert [choose_slot_tile(k, fmt=fmt).block_k for k in (2048, 768, 640)] == [256, 256, 128]
+        assert choose_slot_tile(2048, fmt=fmt).num_stages == mosaic.NUM_STAGES_WIDE
+    # MXFP4: else 192 (gpt-oss: 15 steps); NVFP4 64
+    assert choose_slot_tile(2880, fmt="mxfp4").block_k == 192
+    assert choose_slot_tile(2880, fmt="nvfp4").block_k == 64
+    assert choose_slot_tile(2048, fmt="fp8").block_k == 128
     assert choose_k_splits(4, 2880, 2880, ragged) == 1  # 23 steps: no divisor
 
 
@@ -464,7 +510,8 @@ class TestLowersForHopper:
         (BF16, 2880, 2880, 1),  # 23 K steps of 128, the last ragged
         (NVFP4, 1536, 2048, 1),
         (NVFP4, 1536, 2048, 2),
-        (NVFP4, 2048, 768, 2),
+        (NVFP4, 2048, 768, 3),  # 3 K steps of 256, one a program
+        (MXFP4, 1536, 2048, 1),  # 8 K steps of 256
         (MXFP4, 5760, 2880, 1),  # gpt-oss-120b gate_up
         (MXFP4, 2880, 2880, 3),
     ], ids=lambda v: getattr(v, "value", v))

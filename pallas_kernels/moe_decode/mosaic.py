@@ -43,9 +43,12 @@ the e4m3 scale (exact in f16), MXFP4 ``2^(s - s_max)`` against the largest E8M0 
 row's K step (the step's partial then times ``2^(s_max - 127 + 6)``). The column order that
 needs no shuffles (``fp4_operand_order``) is applied to the activations instead
 (``permute_fp4_activations``). One wgmma a K step; NVFP4 accumulates in one accumulator,
-times ``2^6`` and the global scale at the end. The scales come from global memory, one
-8/16/32-bit load a row and step (FP8: one scalar a step), issued ``SCALE_PREFETCH`` steps
-ahead. The codes keep the checkpoint's layout.
+times ``2^6`` and the global scale at the end. The scales come from global memory, 1-8 bytes
+a row and step in loads as wide as the row stride allows (FP8: one scalar a step), issued
+``SCALE_PREFETCH`` steps ahead. FP4 takes K steps of 256 where they divide K (MXFP4 else 192:
+gpt-oss's 2880 is 15 of them), halving the per-weight share of a step's fixed cost (the
+pipeline's barriers and TMA issue, the scale loads); a 192-wide step's 96-byte code rows lie
+in tiles of the 32-byte swizzle. The codes keep the checkpoint's layout.
 Interpret mode builds the same operands with jnp (``_fp4_operands_jnp``).
 
 The full decode step (``moe_decode_mosaic_pairs``), five launches up to 1024 pairs: the plan
@@ -97,6 +100,7 @@ from pallas_kernels.moe_decode.rows import expert_of_rows, h_rows, plan_x_rows, 
 
 ROWS = 16  # rows of one work item
 NUM_STAGES = 3  # TMA stages in flight: 31 KB of SMEM a CTA, 7 CTAs an SM (H200 sweep: NOTES)
+NUM_STAGES_WIDE = 2  # the same for FP4 steps of 192 / 256 (20 KB a stage at 256; H200: NOTES)
 SCALE_PREFETCH = 3  # K steps a scale load is issued before its step (1: the step before)
 WINDOW = ROWS + 8  # activation rows a program reads (the wgmma's N): from an 8-aligned row
 BLOCK_N = 64  # weight rows a program (the wgmma's M)
@@ -111,8 +115,9 @@ class SlotTile:
     num_stages: int = NUM_STAGES
 
     def __post_init__(self):
-        if self.block_k not in (64, 128):
-            raise ValueError(f"SlotTile.block_k: expected 64 or 128, got {self.block_k!r}")
+        if self.block_k not in (64, 128, 192, 256):
+            raise ValueError(
+                f"SlotTile.block_k: expected 64, 128, 192 or 256, got {self.block_k!r}")
         if not isinstance(self.num_stages, int) or not 2 <= self.num_stages <= 8:
             raise ValueError(
                 f"SlotTile.num_stages: expected an int in [2, 8], got {self.num_stages!r}")
@@ -120,10 +125,19 @@ class SlotTile:
 
 def choose_slot_tile(k: int, num_stages: int | None = None, fmt: str | None = None) -> SlotTile:
     """Pure heuristic: K steps of 128 where they divide K, else 64; FP8 and BF16 (``fmt``)
-    take steps of 128 for any K that is a multiple of 64 (the last step ragged). Stages:
-    ``NUM_STAGES`` unless given."""
-    return SlotTile(block_k=128 if k % 128 == 0 or _takes_ragged_k(fmt, k) else 64,
-                    num_stages=NUM_STAGES if num_stages is None else num_stages)
+    take steps of 128 for any K that is a multiple of 64 (the last step ragged), NVFP4 and
+    MXFP4 steps of 256 where those divide K, MXFP4 else of 192 where those do (gpt-oss's 2880:
+    15 steps). Stages: ``NUM_STAGES`` (``NUM_STAGES_WIDE`` for steps of 192 / 256) unless
+    given."""
+    if fmt in _WIDE_FORMATS and k % 256 == 0:
+        block_k = 256
+    elif fmt in _WIDE_FORMATS and fmt == "mxfp4" and k % 192 == 0:
+        block_k = 192
+    else:
+        block_k = 128 if k % 128 == 0 or _takes_ragged_k(fmt, k) else 64
+    if num_stages is None:
+        num_stages = NUM_STAGES_WIDE if block_k > 128 else NUM_STAGES
+    return SlotTile(block_k=block_k, num_stages=num_stages)
 
 
 def num_k_steps(k: int, tile: SlotTile) -> int:
@@ -318,6 +332,9 @@ def _kernel(
             )(w_tile, a_tile)
             return acc
 
+        # the global scale loaded before the steps (read after them, its latency hidden)
+        outer = global_ref[e, lax.div(n0, global_rows)] * 2.0**_PLACEMENT
+
         def nv_step(idx, w_smem, a_smem, carry):
             acc_ref, queue = carry
             w, _, queue = step_operand(idx[0], w_smem, queue)
@@ -333,8 +350,7 @@ def _kernel(
             return acc_ref[...]
 
         acc = pl.run_scoped(run, plgpu.ACC((bn, WINDOW), jnp.float32))
-        # the operands held e2m1 * s * 2^-PLACEMENT
-        return acc * (global_ref[e, lax.div(n0, global_rows)] * 2.0**_PLACEMENT)
+        return acc * outer  # the operands held e2m1 * s * 2^-PLACEMENT
 
     def plain_steps(w_tile, a_tile):
         """16-bit weights: one accumulator, wgmma kept in flight across steps."""
@@ -535,87 +551,142 @@ def _row_bits(carrier, i):
 
 
 def _fp4_scale_bits_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
-    """Step ``kb``'s scale bytes of a thread's two rows, as loaded (a ``[bn]`` f32 carrier
-    holding i32 bits; ``_fp4_factors_inline`` makes the factors): NVFP4 the e4m3 bytes of the
-    thread's own groups (two bytes, 2-aligned, at ``bk`` = 128; one at 64), MXFP4 every E8M0
-    byte of the step (its max is needed). ``scale_ref [E, N, K / 16 | K / 32]``, ``row0 = e *
-    N + n0``."""
+    """Step ``kb``'s scale bytes of a thread's two rows, as loaded (a tuple of ``[bn]`` f32
+    carriers holding i32 bits, one a 32-bit word; ``_fp4_factors_inline`` makes the factors):
+    NVFP4 the e4m3 bytes of the thread's own groups (1, 2 or 4 at ``bk`` = 64, 128, 256),
+    MXFP4 every E8M0 byte of the step (its max is needed: 2, 4, 6 or 8 at ``bk`` = 64, 128,
+    192, 256). The loads are as wide as the row stride and the byte count allow (up to 8
+    bytes; gpt-oss's 90-byte MXFP4 rows: 2). ``scale_ref [E, N, K / 16 | K / 32]``, ``row0 = e
+    * N + n0``."""
     bn, bk = BLOCK_N, tile.block_k
-    groups = bk // _group_size(fmt)  # a row's bytes a step: 8 | 4 (NVFP4), 4 | 2 (MXFP4)
+    groups = bk // _group_size(fmt)  # a row's bytes a step
+    nbytes = groups if fmt == "mxfp4" else groups // 4  # the bytes a thread loads a row
+    words = -(-nbytes // 4)
     stride = scale_ref.shape[-1]
+    unit = 8  # bytes a load: a power of two dividing the row stride and nbytes (and so the
+    #   step's and, NVFP4, the thread's offset)
+    while stride % unit or nbytes % unit:
+        unit //= 2
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT,
                                   plgpu.Layout.WG_SPLAT),
-                       return_type=plgpu.ShapeDtypeStruct((bn,), jnp.float32,
-                                                          layout=_ROW_CARRIER))
+                       return_type=tuple(plgpu.ShapeDtypeStruct((bn,), jnp.float32,
+                                                                layout=_ROW_CARRIER)
+                                         for _ in range(words)))
     def load(_, ref, first_row, first_col):
-        i8, i16, i32 = (ir.IntegerType.get_signless(b) for b in (8, 16, 32))
+        i32 = ir.IntegerType.get_signless(32)
         row, _, _, quad = _thread_rows()
         ptr = mgpu.utils.memref_ptr(ref)
-        bits = []
+        bits = [[] for _ in range(words)]  # [word][row half]
         for i in range(2):  # row half
             r = arith.addi(first_row.registers.item(), arith.addi(row, _i32(8 * i)))
             at = arith.addi(arith.muli(r, _i32(stride)), first_col.registers.item())
             if fmt == "nvfp4":  # the thread's first group: quad * (bk / 4) / 16
-                at = arith.addi(at, arith.divui(arith.muli(quad, _i32(bk // 4)), _i32(16)))
-            ty = {1: i8, 2: i16, 4: i32}[groups if fmt == "mxfp4" else groups // 4]
-            v = _load(ptr, at, ty)
-            bits.append(v if ty == i32 else arith.extui(i32, v))
-        return _row_carrier(bits)
+                at = arith.addi(at, arith.muli(quad, _i32(bk // 64)))
+            half = [None] * words
+            for j in range(nbytes // unit):
+                here = arith.addi(at, _i32(j * unit)) if j else at
+                if unit >= 4:
+                    vec = _load(ptr, here, ir.VectorType.get((unit // 4,), i32))
+                    for w in range(unit // 4):
+                        half[j * unit // 4 + w] = vector.extract(
+                            vec, dynamic_position=[],
+                            static_position=ir.DenseI64ArrayAttr.get([w]))
+                    continue
+                piece = arith.extui(i32, _load(ptr, here, ir.IntegerType.get_signless(8 * unit)))
+                w, shift = divmod(j * unit, 4)
+                if shift:
+                    piece = arith.shli(piece, _i32(8 * shift))
+                half[w] = piece if half[w] is None else arith.ori(half[w], piece)
+            for w in range(words):
+                bits[w].append(half[w])
+        return tuple(_row_carrier(b) for b in bits)
 
     return load(scale_ref, jnp.asarray(row0, jnp.int32), jnp.asarray(kb * groups, jnp.int32))
 
 
+def _factor_slots(bk: int) -> int:
+    """Factor slots a thread holds a row half: one for each two of its 32-bit code words
+    (its 16 operand columns of one NVFP4 group); at least two (the carrier's columns)."""
+    return max(bk // 64, 2)
+
+
 def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile):
     """A step's factors from its scale bytes (``_fp4_scale_bits_inline``), per thread: a
-    ``[bn, 16]`` f16 WGMMA-layout array used as a carrier (register ``[.., j, .., i, ..]`` =
-    the factor of the thread's row half ``i`` and scale group slot ``j``; not a logical array)
-    and, for MXFP4, the rows' ``[bn]`` f32 partial scale."""
+    ``[bn, 8 * slots]`` f16 WGMMA-layout array used as a carrier (register ``[.., s, .., i,
+    ..]`` = the factor of the thread's row half ``i`` and words ``2s, 2s + 1`` of its codes;
+    not a logical array) and, for MXFP4, the rows' ``[bn]`` f32 partial scale."""
     bn, bk = BLOCK_N, tile.block_k
     size = _group_size(fmt)
-    groups = bk // size
+    slots = _factor_slots(bk)
+    used = bk // 64  # slots holding words (bk = 64: 2 words, slot 0)
     mx = fmt == "mxfp4"
-    ret = (plgpu.ShapeDtypeStruct((bn, 16), jnp.float16, layout=plgpu.Layout.WGMMA),)
+    ret = (plgpu.ShapeDtypeStruct((bn, 8 * slots), jnp.float16, layout=plgpu.Layout.WGMMA),)
     if mx:
         ret += (plgpu.ShapeDtypeStruct((bn,), jnp.float32, layout=_ROW_CARRIER),)
 
-    @plgpu.inline_mgpu(arg_types=(_ROW_CARRIER,), return_type=ret)
-    def convert(_, carrier):
-        i32 = ir.IntegerType.get_signless(32)
+    @plgpu.inline_mgpu(arg_types=(_ROW_CARRIER,) * len(bits), return_type=ret)
+    def convert(_, *carriers):
+        i16, i32 = (ir.IntegerType.get_signless(b) for b in (16, 32))
         _, _, _, quad = _thread_rows()
         own = arith.divui(arith.muli(quad, _i32(bk // 4)), _i32(size))  # the thread's 1st group
-        factors = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, 16)), object)
+        factors = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, 8 * slots)), object)
         row_scales = []
         for i in range(2):  # row half
-            word = _row_bits(carrier, i)
-            if not mx:  # e4m3 bytes of groups own (and own + 1)
-                f = mgpu.utils.inline_ptx("cvt.rn.f16x2.e4m3x2 $0, $1;",
-                                          arith.trunci(ir.IntegerType.get_signless(16), word),
-                                          result_types=i32)
-                lo = _splat_f16x2(arith.andi(f, _i32(0xFFFF)))
-                hi = _splat_f16x2(arith.shrui(f, _i32(16))) if groups == 8 else lo
-            else:  # the step's max E8M0 byte, then the thread's own
+            words = [_row_bits(c, i) for c in carriers]
+            if not mx:  # e4m3 bytes of groups own, own + 1, ..: two a cvt
+                per_slot = []
+                for half in range(max(used // 2, 1)):
+                    pair = words[0] if half == 0 else arith.shrui(words[0], _i32(16))
+                    f = mgpu.utils.inline_ptx("cvt.rn.f16x2.e4m3x2 $0, $1;",
+                                              arith.trunci(i16, pair), result_types=i32)
+                    per_slot += [_splat_f16x2(arith.andi(f, _i32(0xFFFF))),
+                                 _splat_f16x2(arith.shrui(f, _i32(16)))]
+                per_slot = per_slot[:used]
+            else:  # the step's max E8M0 byte, then each slot's own group's
                 top = _i32(0)
-                for b in range(groups):
-                    byte = arith.andi(arith.shrui(word, _i32(8 * b)), _i32(0xFF))
-                    top = arith.maxui(top, byte)
-                mine = arith.andi(arith.shrui(word, arith.muli(own, _i32(8))), _i32(0xFF))
-                # 2^(mine - top) <= 1 as f32 (0 below 2^-126), rounded to f16 by cvt: the
-                # f16 of e8m0_step_to_f16 (subnormal down to 2^-24, 0 below)
-                exp = arith.maxsi(arith.addi(arith.subi(mine, top), _i32(127)), _i32(0))
-                f32 = arith.bitcast(ir.F32Type.get(), arith.shli(exp, _i32(23)))
-                f16 = arith.truncf(ir.F16Type.get(), f32)
-                lo = hi = _splat_f16x2(arith.extui(i32, arith.bitcast(
-                    ir.IntegerType.get_signless(16), f16)))
+                for word in words:
+                    for b in range(4):
+                        byte = arith.andi(arith.shrui(word, _i32(8 * b)), _i32(0xFF))
+                        top = arith.maxui(top, byte)
+                per_slot, made = [], {}
+                for slot in range(used):
+                    if (bk // 4) % size == 0:  # the thread's columns start a group: the
+                        #   slot's group is own + a constant (slots 2g, 2g + 1 share one)
+                        key = (16 * slot) // size
+                        idx = arith.addi(own, _i32(key)) if key else own
+                    else:  # (bk = 64, 192) the group of the slot's first column
+                        key = ("slot", slot)
+                        idx = arith.divui(arith.addi(arith.muli(quad, _i32(bk // 4)),
+                                                     _i32(16 * slot)), _i32(size))
+                    if key not in made:
+                        word = words[0]
+                        if len(words) > 1:  # byte idx of the two words
+                            word = arith.select(
+                                arith.cmpi(arith.CmpIPredicate.uge, idx, _i32(4)), words[1],
+                                words[0])
+                            idx = arith.andi(idx, _i32(3))
+                        mine = arith.andi(arith.shrui(word, arith.muli(idx, _i32(8))),
+                                          _i32(0xFF))
+                        # 2^(mine - top) <= 1 as f32 (0 below 2^-126), rounded to f16 by cvt:
+                        # the f16 of e8m0_step_to_f16 (subnormal down to 2^-24, 0 below)
+                        exp = arith.maxsi(arith.addi(arith.subi(mine, top), _i32(127)),
+                                          _i32(0))
+                        f32 = arith.bitcast(ir.F32Type.get(), arith.shli(exp, _i32(23)))
+                        f16 = arith.truncf(ir.F16Type.get(), f32)
+                        made[key] = _splat_f16x2(arith.extui(i32, arith.bitcast(i16, f16)))
+                    per_slot.append(made[key])
+                per_slot = per_slot[:used]
                 row_scales.append(arith.shli(arith.minui(arith.addi(top, _i32(_PLACEMENT)),
                                                          _i32(255)), _i32(23)))  # 2^(s_max-127+P)
-            factors[0, 0, 0, 0, i, 0, 0, 0, 0] = lo
-            factors[0, 1, 0, 0, i, 0, 0, 0, 0] = hi
+            per_slot += [per_slot[0]] * (slots - len(per_slot))  # unused slots: any value
+            for s_, f in enumerate(per_slot):
+                factors[0, s_, 0, 0, i, 0, 0, 0, 0] = f
         out = (mgpu.FragmentedArray(_registers=factors, _layout=mgpu.WGMMA_LAYOUT,
                                     _is_signed=None),)
         return out + ((_row_carrier(row_scales),) if mx else ())
 
-    return convert(bits)
+    return convert(*bits)
 
 
 def _fp4_word_to_f16x2(word):
@@ -642,9 +713,11 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
     ``[bn, bk]`` (WGMMA layout) with the step's factors (``_fp4_factors_inline``'s carrier)
     multiplied in; its columns hold K columns ``fp4_operand_order``."""
     bn, bk = BLOCK_N, tile.block_k
-    words = bk // 32  # 32-bit words a thread reads of a row
+    words = bk // 32  # 32-bit words a thread reads of a row (bk / 8 bytes)
+    load_bytes = 16 if words % 4 == 0 else 8  # SMEM loads of 16 bytes (8 at bk = 64, 192)
     operand = plgpu.ShapeDtypeStruct((bn, bk), jnp.float16, layout=plgpu.Layout.WGMMA)
-    row_bytes = bk // 2  # = the code tile's swizzle (_code_transforms)
+    row_bytes = bk // 2
+    swizzle = plgpu.find_swizzle(row_bytes * 8)  # = _code_transforms': 8-row tiles this wide
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_code_transforms(bk)), plgpu.Layout.WGMMA),
                        return_type=operand)
@@ -658,18 +731,26 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
         first = arith.muli(quad, _i32(bk // 8))  # the thread's first byte of a row
         for i in range(2):
             r = arith.addi(row, _i32(8 * i))
-            # tiles of 8 rows; in a tile, byte t = (r % 8) * row_bytes + first, its 16-byte
-            # chunk XOR-ed with (t // 128) % (row_bytes // 16) (Mosaic GPU's swizzle)
-            t = arith.addi(arith.muli(arith.remui(r, _i32(8)), _i32(row_bytes)), first)
-            chunk = arith.remui(arith.shrui(t, _i32(7)), _i32(row_bytes // 16))
-            t = arith.xori(t, arith.shli(chunk, _i32(4)))
-            at = arith.addi(arith.muli(arith.divui(r, _i32(8)), _i32(8 * row_bytes)), t)
-            vec = _load(ptr, at, ir.VectorType.get((words,), i32))
-            for w in range(words):
-                word = vector.extract(vec, dynamic_position=[],
-                                      static_position=ir.DenseI64ArrayAttr.get([w]))
-                # words 0-1 lie in the thread's first scale group, 2-3 in its second
-                # (NVFP4 at bk = 128; elsewhere both carrier slots hold the same factor)
+            vals = []
+            for j in range(bk // 8 // load_bytes):
+                # byte b = first + j * load_bytes of row r: tiles of 8 rows x swizzle bytes
+                # (row tile, then column tile), in a tile byte t = (r % 8) * swizzle + b %
+                # swizzle, its 16-byte chunk XOR-ed with (t // 128) % (swizzle // 16) (Mosaic
+                # GPU's swizzle): each 16 bytes is its own load
+                b = arith.addi(first, _i32(j * load_bytes)) if j else first
+                t = arith.addi(arith.muli(arith.remui(r, _i32(8)), _i32(swizzle)),
+                               arith.remui(b, _i32(swizzle)))
+                chunk = arith.remui(arith.shrui(t, _i32(7)), _i32(swizzle // 16))
+                t = arith.xori(t, arith.shli(chunk, _i32(4)))
+                tile_at = arith.addi(arith.muli(arith.divui(r, _i32(8)), _i32(8 * row_bytes)),
+                                     arith.muli(arith.divui(b, _i32(swizzle)), _i32(8 * swizzle)))
+                vec = _load(ptr, arith.addi(tile_at, t), ir.VectorType.get((load_bytes // 4,), i32))
+                vals += [vector.extract(vec, dynamic_position=[],
+                                        static_position=ir.DenseI64ArrayAttr.get([w]))
+                         for w in range(load_bytes // 4)]
+            for w, word in enumerate(vals):
+                # words 2s, 2s + 1 lie in the scale group of the carrier's slot s (NVFP4; an
+                # MXFP4 group spans two slots, which hold the same factor)
                 f = fac.registers[0, w // 2, 0, 0, i, 0, 0, 0, 0]
                 for col_block, pair in _fp4_word_to_f16x2(word):
                     val = arith.mulf(mgpu.utils.bitcast(pair, f16x2), f)
@@ -685,6 +766,9 @@ FORMATS = tuple(_W_DTYPE)  # the kernels' format names
 # formats whose K need not be a multiple of block_k (a multiple of 64: a ragged last step; FP4's
 # activation order and scale loads work in whole steps)
 _RAGGED_FORMATS = ("bf16", "fp8")
+# formats that take K steps of 256 (where they divide K): a step's fixed cost (the pipeline's
+# barriers and TMA issue, the loop, the scale loads) over twice the codes
+_WIDE_FORMATS = ("nvfp4", "mxfp4")
 
 
 def _takes_ragged_k(fmt: str | None, k: int) -> bool:
@@ -708,6 +792,10 @@ def unsupported_reason(fmt: str, w_dtype, n: int, k: int, *,
     w_dtype = jnp.dtype(w_dtype)
     if w_dtype not in [jnp.dtype(d) for d in _W_DTYPE[fmt]]:
         return f"w: dtype {w_dtype} is not {fmt} data"
+    if tile.block_k == 256 and fmt not in ("nvfp4", "mxfp4"):
+        return f"tile: block_k=256 takes NVFP4 or MXFP4 weights, not {fmt}"
+    if tile.block_k == 192 and fmt != "mxfp4":
+        return f"tile: block_k=192 takes MXFP4 weights, not {fmt}"
     if k % tile.block_k and not _takes_ragged_k(fmt, k):
         return (f"w: K={k} must be a multiple of block_k={tile.block_k}"
                 + (" (or of 64)" if fmt in _RAGGED_FORMATS else ""))
