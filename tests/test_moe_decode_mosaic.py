@@ -146,21 +146,24 @@ def test_compiled_slot_matmul_fp4_steps_of_256(fmt, k, k_splits):
     check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, block_k=256)
 
 
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
 @pytest.mark.parametrize("k,k_splits", [(192, 1), (576, 1), (576, 3), (960, 5)])
-def test_slot_matmul_mxfp4_steps_of_192(k, k_splits):
-    """MXFP4 in K steps of 192 (gpt-oss's K = 2880 is 15 of them): a thread's 48 columns span
-    two E8M0 groups, in a different place for each thread of a quad; rows of K / 32 = 6, 18
-    and 30 scale bytes (2-byte loads)."""
-    check_slot_matmul(MXFP4, k, compiled=False, k_splits=k_splits, block_k=192)
+def test_slot_matmul_fp4_steps_of_192(fmt, k, k_splits):
+    """FP4 in K steps of 192 (gpt-oss's K = 2880 is 15 of them): a thread's 48 columns are
+    three NVFP4 groups (3 bytes at 3 x its lane) or span two E8M0 groups, in a different place
+    for each thread of a quad; MXFP4 rows of K / 32 = 6, 18 and 30 scale bytes (2-byte
+    loads)."""
+    check_slot_matmul(fmt, k, compiled=False, k_splits=k_splits, block_k=192)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
 @pytest.mark.parametrize("k,k_splits", [(192, 1), (576, 1), (576, 3), (960, 5), (2880, 1),
                                         (2880, 3)])
-def test_compiled_slot_matmul_mxfp4_steps_of_192(k, k_splits):
-    """The compiled 192-wide MXFP4 steps (96-byte code rows in tiles of the 32-byte swizzle,
+def test_compiled_slot_matmul_fp4_steps_of_192(fmt, k, k_splits):
+    """The compiled 192-wide FP4 steps (96-byte code rows in tiles of the 32-byte swizzle,
     three 8-byte loads a row)."""
-    check_slot_matmul(MXFP4, k, compiled=True, k_splits=k_splits, block_k=192)
+    check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, block_k=192)
 
 
 @pytest.mark.parametrize("fmt", [FP8, BF16], ids=lambda f: f.value)
@@ -313,7 +316,7 @@ def test_slot_matmul_bad_inputs_raise():
         SlotTile(block_k=32)
     with pytest.raises(NotImplementedError, match="block_k=256 takes NVFP4 or MXFP4 weights"):
         slot_matmul(work, a, w, s, fp8_block=FP8_BLOCK, tile=SlotTile(block_k=256))
-    with pytest.raises(NotImplementedError, match="block_k=192 takes MXFP4 weights"):
+    with pytest.raises(NotImplementedError, match="block_k=192 takes NVFP4 or MXFP4 weights"):
         slot_matmul(work, a, w, s, fp8_block=FP8_BLOCK, tile=SlotTile(block_k=192))
     with pytest.raises(NotImplementedError, match=r"K=96 must be a multiple of block_k=128 \(or "
                        r"of 64\)"):
@@ -329,8 +332,8 @@ def test_slot_matmul_bad_inputs_raise():
 # ---------------------------------------------------------------------------------------------
 
 CASES = [  # (T, k, format, variant, patterns); k_splits: gate_up's K steps (FP4: three of 64,
-    #   MXFP4 given that tile, its own being one step of 192; FP8: 128 and a ragged 64) in as
-    #   many programs
+    #   given that tile, its own being one step of 192; FP8: 128 and a ragged 64) in as many
+    #   programs
     (1, 4, FP8, dict(), ("random",)),
     (1, 4, FP8, dict(k_splits=(2, 1)), ("random",)),
     (3, 3, FP8, dict(activation="silu", limit=0.3, bias=True), ("random", "zero_experts")),
@@ -345,7 +348,7 @@ CASES = [  # (T, k, format, variant, patterns); k_splits: gate_up's K steps (FP4
     (8, 2, MXFP4, dict(activation="gpt_oss", gate_up_layout="interleaved", limit=0.5,
                        bias=True), ("repeated", "dup_in_token")),
     (1, 4, MXFP4, dict(), ("random",)),
-    (2, 4, NVFP4, dict(k_splits=(3, 1)), ("random",)),
+    (2, 4, NVFP4, dict(k_splits=(3, 1), tile=(SlotTile(block_k=64),) * 2), ("random",)),
     (1, 4, MXFP4, dict(k_splits=(3, 1), tile=(SlotTile(block_k=64),) * 2), ("random",)),
 ]
 
@@ -378,9 +381,10 @@ def test_choose_k_splits():
     for fmt in ("nvfp4", "mxfp4"):  # FP4: steps of 256 where they divide K
         assert [choose_slot_tile(k, fmt=fmt).block_k for k in (2048, 768, 640)] == [256, 256, 128]
         assert choose_slot_tile(2048, fmt=fmt).num_stages == mosaic.NUM_STAGES_WIDE
-    # MXFP4: else 192 (gpt-oss: 15 steps); NVFP4 64
+    # else 192 (gpt-oss: 15 steps)
     assert choose_slot_tile(2880, fmt="mxfp4").block_k == 192
-    assert choose_slot_tile(2880, fmt="nvfp4").block_k == 64
+    assert choose_slot_tile(2880, fmt="nvfp4").block_k == 192
+    assert choose_slot_tile(320, fmt="nvfp4").block_k == 64
     assert choose_slot_tile(2048, fmt="fp8").block_k == 128
     assert choose_k_splits(4, 2880, 2880, ragged) == 1  # 23 steps: no divisor
 

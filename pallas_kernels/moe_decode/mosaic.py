@@ -45,7 +45,7 @@ needs no shuffles (``fp4_operand_order``) is applied to the activations instead
 (``permute_fp4_activations``). One wgmma a K step; NVFP4 accumulates in one accumulator,
 times ``2^6`` and the global scale at the end. The scales come from global memory, 1-8 bytes
 a row and step in loads as wide as the row stride allows (FP8: one scalar a step), issued
-``SCALE_PREFETCH`` steps ahead. FP4 takes K steps of 256 where they divide K (MXFP4 else 192:
+``SCALE_PREFETCH`` steps ahead. FP4 takes K steps of 256 where they divide K (else 192:
 gpt-oss's 2880 is 15 of them), halving the per-weight share of a step's fixed cost (the
 pipeline's barriers and TMA issue, the scale loads); a 192-wide step's 96-byte code rows lie
 in tiles of the 32-byte swizzle. The codes keep the checkpoint's layout.
@@ -126,12 +126,12 @@ class SlotTile:
 def choose_slot_tile(k: int, num_stages: int | None = None, fmt: str | None = None) -> SlotTile:
     """Pure heuristic: K steps of 128 where they divide K, else 64; FP8 and BF16 (``fmt``)
     take steps of 128 for any K that is a multiple of 64 (the last step ragged), NVFP4 and
-    MXFP4 steps of 256 where those divide K, MXFP4 else of 192 where those do (gpt-oss's 2880:
-    15 steps). Stages: ``NUM_STAGES`` (``NUM_STAGES_WIDE`` for steps of 192 / 256) unless
+    MXFP4 steps of 256 where those divide K, else of 192 where those do (gpt-oss's 2880: 15
+    steps). Stages: ``NUM_STAGES`` (``NUM_STAGES_WIDE`` for steps of 192 / 256) unless
     given."""
     if fmt in _WIDE_FORMATS and k % 256 == 0:
         block_k = 256
-    elif fmt in _WIDE_FORMATS and fmt == "mxfp4" and k % 192 == 0:
+    elif fmt in _WIDE_FORMATS and k % 192 == 0:
         block_k = 192
     else:
         block_k = 128 if k % 128 == 0 or _takes_ragged_k(fmt, k) else 64
@@ -660,7 +660,7 @@ def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile):
             words = [_row_bits(c, i) for c in carriers]
             if not mx:  # e4m3 bytes of groups own, own + 1, ..: two a cvt
                 per_slot = []
-                for half in range(max(used // 2, 1)):
+                for half in range(-(-used // 2)):
                     pair = words[0] if half == 0 else arith.shrui(words[0], _i32(16))
                     f = mgpu.utils.inline_ptx("cvt.rn.f16x2.e4m3x2 $0, $1;",
                                               arith.trunci(i16, pair), result_types=i32)
@@ -827,8 +827,8 @@ def unsupported_reason(fmt: str, w_dtype, n: int, k: int, *,
         return f"w: dtype {w_dtype} is not {fmt} data"
     if tile.block_k == 256 and fmt not in ("nvfp4", "mxfp4"):
         return f"tile: block_k=256 takes NVFP4 or MXFP4 weights, not {fmt}"
-    if tile.block_k == 192 and fmt != "mxfp4":
-        return f"tile: block_k=192 takes MXFP4 weights, not {fmt}"
+    if tile.block_k == 192 and fmt not in ("nvfp4", "mxfp4"):
+        return f"tile: block_k=192 takes NVFP4 or MXFP4 weights, not {fmt}"
     if k % tile.block_k and not _takes_ragged_k(fmt, k):
         return (f"w: K={k} must be a multiple of block_k={tile.block_k}"
                 + (" (or of 64)" if fmt in _RAGGED_FORMATS else ""))
