@@ -293,8 +293,7 @@ def _kernel(
         scales folded in (``_fp4_operands_inline``). NVFP4 accumulates every step in one
         accumulator; MXFP4 dots each step into a partial multiplied by its rows'
         ``2^(s_max - 127 + PLACEMENT)``. The scale bytes are loaded ``SCALE_PREFETCH`` steps
-        before their step turns them into factors (a load's latency not on a step's path);
-        NVFP4's of a 256-wide step come by TMA with its codes."""
+        before their step turns them into factors (a load's latency not on a step's path)."""
         if stage_w:
             bits_of = functools.partial(_fp4_scale_bits_jnp, scale_ref, e, n0, fmt=fmt,
                                         tile=tile)
@@ -305,9 +304,7 @@ def _kernel(
                                         e * scale_ref.shape[1] + n0, fmt=fmt, tile=tile)
             factors_of = functools.partial(_fp4_factors_inline, fmt=fmt, tile=tile)
             operands_of = functools.partial(_fp4_operands_inline, tile=tile)
-        by_tma = _nvfp4_scales_by_tma(fmt, tile)
-        if not by_tma:
-            first, advance = ahead(lambda kb: bits_of(at(kb)))
+        first, advance = ahead(lambda kb: bits_of(at(kb)))
 
         def step_operand(kb, w_smem, queue):
             """(this step's operand, its factors, the queue of the steps after it)."""
@@ -338,39 +335,18 @@ def _kernel(
         # the global scale loaded before the steps (read after them, its latency hidden)
         outer = global_ref[e, lax.div(n0, global_rows)] * 2.0**_PLACEMENT
 
-        def mma(acc_ref, w, a_smem):
+        def nv_step(idx, w_smem, a_smem, carry):
+            acc_ref, queue = carry
+            w, _, queue = step_operand(idx[0], w_smem, queue)
             plgpu.wgmma(acc_ref, w, a_smem.transpose((1, 0)))
             plgpu.wgmma_wait(0)  # w's registers and the activation tile are free again
-
-        if by_tma:  # a step's [bn, 16] scale bytes come with it
-            def nv_step(idx, w_smem, a_smem, s_smem, acc_ref):
-                bits = s_smem[...] if stage_w else _fp4_scale_bits_inline(
-                    s_smem, 0, 0, fmt=fmt, tile=tile)
-                mma(acc_ref, staged(operands_of(w_smem, factors_of(bits)[0])), a_smem)
-                return acc_ref
-
-            specs = [w_spec, a_spec, plgpu.BlockSpec((bn, 16), lambda kb: (0, at(kb)))]
-            tiles = (w_tile, a_tile, scale_ref.at[e, pl.ds(n0, bn)])
-
-            def init(acc_ref):
-                return acc_ref
-        else:
-            def nv_step(idx, w_smem, a_smem, carry):
-                acc_ref, queue = carry
-                w, _, queue = step_operand(idx[0], w_smem, queue)
-                mma(acc_ref, w, a_smem)
-                return acc_ref, queue
-
-            specs, tiles = [w_spec, a_spec], (w_tile, a_tile)
-
-            def init(acc_ref):
-                return acc_ref, first
+            return acc_ref, queue
 
         def run(acc_ref):
             plgpu.emit_pipeline(
-                nv_step, grid=(num_steps,), in_specs=specs,
-                max_concurrent_steps=tile.num_stages, init_carry=init(acc_ref),
-            )(*tiles)
+                nv_step, grid=(num_steps,), in_specs=[w_spec, a_spec],
+                max_concurrent_steps=tile.num_stages, init_carry=(acc_ref, first),
+            )(w_tile, a_tile)
             return acc_ref[...]
 
         acc = pl.run_scoped(run, plgpu.ACC((bn, WINDOW), jnp.float32))
@@ -793,15 +769,6 @@ _RAGGED_FORMATS = ("bf16", "fp8")
 # formats that take K steps of 256 (where they divide K): a step's fixed cost (the pipeline's
 # barriers and TMA issue, the loop, the scale loads) over twice the codes
 _WIDE_FORMATS = ("nvfp4", "mxfp4")
-
-
-# formats whose scale bytes of a 256-wide step come by TMA with the step's codes (NVFP4's 16
-# bytes a row; MXFP4's 8 are below the TMA's 16-byte minimum)
-_TMA_SCALE_FORMATS = ("nvfp4",)
-
-
-def _nvfp4_scales_by_tma(fmt: str, tile: SlotTile) -> bool:
-    return fmt in _TMA_SCALE_FORMATS and tile.block_k == 256
 
 
 def _takes_ragged_k(fmt: str | None, k: int) -> bool:
