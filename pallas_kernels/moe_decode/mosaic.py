@@ -553,11 +553,10 @@ def _row_bits(carrier, i):
 def _fp4_scale_bits_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
     """Step ``kb``'s scale bytes of a thread's two rows, as loaded (a tuple of ``[bn]`` f32
     carriers holding i32 bits, one a 32-bit word; ``_fp4_factors_inline`` makes the factors):
-    NVFP4 the e4m3 bytes of the thread's own groups (1, 2 or 4 at ``bk`` = 64, 128, 256),
-    MXFP4 every E8M0 byte of the step (its max is needed: 2, 4, 6 or 8 at ``bk`` = 64, 128,
-    192, 256). The loads are as wide as the row stride and the byte count allow (up to 8
-    bytes; gpt-oss's 90-byte MXFP4 rows: 2). ``scale_ref [E, N, K / 16 | K / 32]``, ``row0 = e
-    * N + n0``."""
+    NVFP4 the e4m3 bytes of the thread's own groups (1, 2, 3 or 4 at ``bk`` = 64, 128, 192,
+    256), MXFP4 every E8M0 byte of the step (its max is needed: 2, 4, 6 or 8). The loads are
+    as wide as the row stride and the byte count allow (up to 8 bytes; gpt-oss's 90-byte MXFP4
+    rows: 2). ``scale_ref [E, N, K / 16 | K / 32]``, ``row0 = e * N + n0``."""
     bn, bk = BLOCK_N, tile.block_k
     groups = bk // _group_size(fmt)  # a row's bytes a step
     nbytes = groups if fmt == "mxfp4" else groups // 4  # the bytes a thread loads a row
@@ -676,7 +675,6 @@ def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile):
                         f16 = arith.truncf(ir.F16Type.get(), f32)
                         made[key] = _splat_f16x2(arith.extui(i32, arith.bitcast(i16, f16)))
                     per_slot.append(made[key])
-                per_slot = per_slot[:used]
                 row_scales.append(arith.shli(arith.minui(arith.addi(top, _i32(_PLACEMENT)),
                                                          _i32(255)), _i32(23)))  # 2^(s_max-127+P)
             per_slot += [per_slot[0]] * (slots - len(per_slot))  # unused slots: any value
