@@ -628,12 +628,12 @@ def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile):
     def convert(_, *carriers):
         i16, i32 = (ir.IntegerType.get_signless(b) for b in (16, 32))
         _, _, _, quad = _thread_rows()
-        own = arith.divui(arith.muli(quad, _i32(bk // 4)), _i32(size))  # the thread's 1st group
+        first = arith.muli(quad, _i32(bk // 4))  # the thread's first column of the step
         factors = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, 8 * slots)), object)
         row_scales = []
         for i in range(2):  # row half
             words = [_row_bits(c, i) for c in carriers]
-            if not mx:  # e4m3 bytes of groups own, own + 1, ..: two a cvt
+            if not mx:  # e4m3 bytes of the thread's groups, in order: two a cvt
                 per_slot = []
                 for half in range(-(-used // 2)):
                     pair = words[0] if half == 0 else arith.shrui(words[0], _i32(16))
@@ -650,15 +650,11 @@ def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile):
                         top = arith.maxui(top, byte)
                 per_slot, made = [], {}
                 for slot in range(used):
-                    if (bk // 4) % size == 0:  # the thread's columns start a group: the
-                        #   slot's group is own + a constant (slots 2g, 2g + 1 share one)
-                        key = (16 * slot) // size
-                        idx = arith.addi(own, _i32(key)) if key else own
-                    else:  # (bk = 64, 192) the group of the slot's first column
-                        key = ("slot", slot)
-                        idx = arith.divui(arith.addi(arith.muli(quad, _i32(bk // 4)),
-                                                     _i32(16 * slot)), _i32(size))
-                    if key not in made:
+                    # where the thread's columns start a group (bk = 128, 256), slots 2g and
+                    # 2g + 1 lie in one and share its factor
+                    key = (16 * slot) // size if (bk // 4) % size == 0 else slot
+                    if key not in made:  # the group of the slot's first column
+                        idx = arith.divui(arith.addi(first, _i32(16 * slot)), _i32(size))
                         word = words[0]
                         if len(words) > 1:  # byte idx of the two words
                             word = arith.select(
@@ -715,7 +711,7 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
     load_bytes = 16 if words % 4 == 0 else 8  # SMEM loads of 16 bytes (8 at bk = 64, 192)
     operand = plgpu.ShapeDtypeStruct((bn, bk), jnp.float16, layout=plgpu.Layout.WGMMA)
     row_bytes = bk // 2
-    swizzle = plgpu.find_swizzle(row_bytes * 8)  # = _code_transforms': 8-row tiles this wide
+    swizzle = _code_transforms(bk)[1].swizzle  # 8-row tiles this wide
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_code_transforms(bk)), plgpu.Layout.WGMMA),
                        return_type=operand)
@@ -790,10 +786,8 @@ def unsupported_reason(fmt: str, w_dtype, n: int, k: int, *,
     w_dtype = jnp.dtype(w_dtype)
     if w_dtype not in [jnp.dtype(d) for d in _W_DTYPE[fmt]]:
         return f"w: dtype {w_dtype} is not {fmt} data"
-    if tile.block_k == 256 and fmt not in ("nvfp4", "mxfp4"):
-        return f"tile: block_k=256 takes NVFP4 or MXFP4 weights, not {fmt}"
-    if tile.block_k == 192 and fmt not in ("nvfp4", "mxfp4"):
-        return f"tile: block_k=192 takes NVFP4 or MXFP4 weights, not {fmt}"
+    if tile.block_k > 128 and fmt not in ("nvfp4", "mxfp4"):
+        return f"tile: block_k={tile.block_k} takes NVFP4 or MXFP4 weights, not {fmt}"
     if k % tile.block_k and not _takes_ragged_k(fmt, k):
         return (f"w: K={k} must be a multiple of block_k={tile.block_k}"
                 + (" (or of 64)" if fmt in _RAGGED_FORMATS else ""))
