@@ -129,41 +129,30 @@ def test_compiled_slot_matmul_on_gpu(fmt, k, k_splits):
     check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits)
 
 
+WIDE_FP4_CASES = [(256, 256, 1), (256, 768, 1), (256, 768, 3),  # (block_k, K, k_splits)
+                  (192, 192, 1), (192, 576, 1), (192, 576, 3), (192, 960, 5)]
+
+
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
-@pytest.mark.parametrize("k,k_splits", [(256, 1), (768, 1), (768, 3)])
-def test_slot_matmul_fp4_steps_of_256(fmt, k, k_splits):
+@pytest.mark.parametrize("block_k,k,k_splits", WIDE_FP4_CASES)
+def test_slot_matmul_wide_fp4_steps(fmt, block_k, k, k_splits):
     """NVFP4 and MXFP4 in K steps of 256 (a thread's 64 columns: four NVFP4 groups, two MXFP4
-    ones; MXFP4's factors against the max of eight scales), in one program or one a step."""
-    check_slot_matmul(fmt, k, compiled=False, k_splits=k_splits, block_k=256)
+    ones; MXFP4's factors against the max of eight scales) and 192 (gpt-oss's K = 2880 is 15
+    of them: a thread's 48 columns are three NVFP4 groups, 3 bytes at 3 x its lane, or span
+    two E8M0 groups, in a different place for each thread of a quad; MXFP4 rows of K / 32 = 6,
+    18 and 30 scale bytes, 2-byte loads), in one program or one a step."""
+    check_slot_matmul(fmt, k, compiled=False, k_splits=k_splits, block_k=block_k)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
-@pytest.mark.parametrize("k,k_splits", [(256, 1), (768, 1), (768, 3), (2048, 2)])
-def test_compiled_slot_matmul_fp4_steps_of_256(fmt, k, k_splits):
-    """The compiled 256-wide FP4 steps (two 16-byte code loads a row, four factor slots, two
-    scale words for MXFP4)."""
-    check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, block_k=256)
-
-
-@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
-@pytest.mark.parametrize("k,k_splits", [(192, 1), (576, 1), (576, 3), (960, 5)])
-def test_slot_matmul_fp4_steps_of_192(fmt, k, k_splits):
-    """FP4 in K steps of 192 (gpt-oss's K = 2880 is 15 of them): a thread's 48 columns are
-    three NVFP4 groups (3 bytes at 3 x its lane) or span two E8M0 groups, in a different place
-    for each thread of a quad; MXFP4 rows of K / 32 = 6, 18 and 30 scale bytes (2-byte
-    loads)."""
-    check_slot_matmul(fmt, k, compiled=False, k_splits=k_splits, block_k=192)
-
-
-@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
-@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
-@pytest.mark.parametrize("k,k_splits", [(192, 1), (576, 1), (576, 3), (960, 5), (2880, 1),
-                                        (2880, 3)])
-def test_compiled_slot_matmul_fp4_steps_of_192(fmt, k, k_splits):
-    """The compiled 192-wide FP4 steps (96-byte code rows in tiles of the 32-byte swizzle,
-    three 8-byte loads a row)."""
-    check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, block_k=192)
+@pytest.mark.parametrize("block_k,k,k_splits", WIDE_FP4_CASES + [
+    (256, 2048, 2), (192, 2880, 1), (192, 2880, 3)])
+def test_compiled_slot_matmul_wide_fp4_steps(fmt, block_k, k, k_splits):
+    """The compiled wide FP4 steps: at 256 two 16-byte code loads a row, four factor slots,
+    two scale words for MXFP4; at 192 96-byte code rows in tiles of the 32-byte swizzle,
+    three 8-byte loads a row."""
+    check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, block_k=block_k)
 
 
 @pytest.mark.parametrize("fmt", [FP8, BF16], ids=lambda f: f.value)
