@@ -548,7 +548,8 @@ class TestLowersForHopper:
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
-@pytest.mark.parametrize("t", [1, 8, 33])
+@pytest.mark.parametrize("t", [1, 12, 33])  # 4, 48 and 132 pairs: the plan and x rows in one
+#   launch (pairwise plan; radix plan), then in two
 @pytest.mark.parametrize("fmt,k_splits", [
     (FP8, (1, 1)), (BF16, (1, 1)), (NVFP4, (1, 1)), (MXFP4, (1, 1)), (FP8, (2, 2)),
     (NVFP4, (4, 2)), (MXFP4, (2, 1))], ids=str)

@@ -13,9 +13,10 @@ from jax._src import mesh as mesh_lib
 
 from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout
 from pallas_kernels.grouped_matmul.reference import GPT_OSS_ALPHA, rounded
-from pallas_kernels.moe_decode.kernel import PALLAS_PLAN_MAX_PAIRS, _epilogue, make_plan
+from pallas_kernels.moe_decode.kernel import _epilogue, make_plan
 from pallas_kernels.moe_decode.mosaic import fp4_operand_order
 from pallas_kernels.moe_decode.rows import (
+    PLAN_X_ROWS_MAX_PAIRS,
     expert_of_rows,
     h_rows,
     operand_source,
@@ -67,10 +68,12 @@ def test_x_rows(block_k, p, h):
 
 @pytest.mark.parametrize("pattern", ["random", "repeated", "zero_experts", "all_zero",
                                      "dup_in_token"])
-@pytest.mark.parametrize("t,k,block_k", [(1, 4, None), (3, 3, 64), (4, 8, 128)])
+@pytest.mark.parametrize("t,k,block_k", [(1, 4, None), (3, 3, 64), (4, 8, 128), (6, 6, 64),
+                                         (10, 6, None)])  # 36, 60 pairs: the radix plan
 def test_plan_x_rows_is_the_plan_and_the_x_rows(pattern, t, k, block_k):
-    """One launch: the pairwise Pallas plan (work, rows, items) and x_rows of its token_of_row
-    (rows past the pairs: token 0's), bit for bit."""
+    """One launch: make_plan's Pallas plan (work, rows, items; pairwise up to 32 pairs, the
+    radix sort past that) and x_rows of its token_of_row (rows past the pairs: token 0's), bit
+    for bit."""
     h = 256
     x = spread_rows(jax.random.key(t), t, h).astype(jnp.bfloat16)
     ids = routing(pattern, t, k)
@@ -87,8 +90,8 @@ def test_plan_x_rows_is_the_plan_and_the_x_rows(pattern, t, k, block_k):
 
 def test_plan_x_rows_bad_sizes_raise():
     x = jnp.ones((5, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match=f"at most {PALLAS_PLAN_MAX_PAIRS}"):
-        plan_x_rows(x, jnp.zeros((5, 8), jnp.int32), E, 64, item_rows=16, interpret=True)
+    with pytest.raises(ValueError, match=f"at most {PLAN_X_ROWS_MAX_PAIRS}"):
+        plan_x_rows(x, jnp.zeros((9, 8), jnp.int32), E, 88, item_rows=16, interpret=True)
     with pytest.raises(ValueError, match="rows for"):
         plan_x_rows(x, jnp.zeros((2, 8), jnp.int32), E, 8, item_rows=16, interpret=True)
 
@@ -134,7 +137,7 @@ def test_h_rows(splits, layout, activation, limit, bias, block_k):
 
 @pytest.mark.parametrize("fp4", [False, True])
 def test_rows_lower_to_triton_for_h200(fp4):
-    """The three launches lowered by Pallas' Triton backend for the H200 without a GPU (Qwen3 and
+    """The launches lowered by Pallas' Triton backend for the H200 without a GPU (Qwen3 and
     gpt-oss widths: H 2048 / 2880, I 768 / 2880)."""
     dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
@@ -147,7 +150,9 @@ def test_rows_lower_to_triton_for_h200(fp4):
             a, factor = x_rows(x, token, 88, block_k=bk)
             _, (a1, _) = plan_x_rows(x, token[:32].reshape(4, 8), 128, 40, item_rows=16,
                                      block_k=bk)
-            return a, a1, h_rows(gu, factor, splits=2, bias=bias, items=items, layout=layout,
+            _, (a2, _) = plan_x_rows(x, token.reshape(8, 8), 128, 88, item_rows=16,
+                                     block_k=bk)  # the radix plan's program
+            return a, a1, a2, h_rows(gu, factor, splits=2, bias=bias, items=items, layout=layout,
                                  activation=Activation.GPT_OSS, limit=7.0, block_k=bk)
 
         with jax.sharding.use_abstract_mesh(mesh):
@@ -155,7 +160,7 @@ def test_rows_lower_to_triton_for_h200(fp4):
                 sd((8, h), jnp.bfloat16), sd((64,), jnp.int32), sd((176, 2 * inter), jnp.float32),
                 sd((128, 2 * inter), jnp.bfloat16),
                 sd((3, 132), jnp.int32)).lower(lowering_platforms=("cuda",))
-        assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3
+        assert lowered.as_text().count("__gpu$xla.gpu.triton") == 4
 
 
 def test_h_rows_bias_needs_items():

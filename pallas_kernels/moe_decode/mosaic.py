@@ -56,7 +56,7 @@ with its work items (``kernel.make_plan(item_rows=ROWS)``: one Pallas launch, pa
 pairs, a radix sort up to 1024; past that XLA's plan and its item cut, ``work_items``) -> x's
 f16 rows in sorted order (``rows.x_rows``) -> gate_up -> the activation and h's f16 rows
 (``rows.h_rows``) -> down; each pair's row is picked by the caller's combine
-(``kernel.pairs_of``, fused by XLA). Up to 32 pairs the plan and x's rows are one launch
+(``kernel.pairs_of``, fused by XLA). Up to 64 pairs the plan and x's rows are one launch
 (``rows.plan_x_rows``): four. BF16 weights take bf16 rows gathered by XLA.
 """
 
@@ -87,8 +87,8 @@ from pallas_kernels.grouped_matmul.reference import (
     dequantize_weights,
     rounded,
 )
+from pallas_kernels.moe_decode import rows as row_launches
 from pallas_kernels.moe_decode.kernel import (
-    PALLAS_PLAN_MAX_PAIRS,
     DecodePlan,
     ExtraExperts,
     _epilogue,
@@ -1059,7 +1059,7 @@ def moe_decode_mosaic_pairs(
         return t.block_k if packed == 2 else None
 
     x16 = None  # x's f16 rows (f16 activations), where the plan's launch makes them
-    if fmt != "bf16" and p <= PALLAS_PLAN_MAX_PAIRS:
+    if fmt != "bf16" and p <= row_launches.PLAN_X_ROWS_MAX_PAIRS:
         plan, x16 = plan_x_rows(x, expert_ids, e_all, rows, item_rows=ROWS,
                                 block_k=order(tile[0]), interpret=interpret)
     else:

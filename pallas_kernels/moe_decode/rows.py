@@ -7,9 +7,10 @@ them, one program a row, where XLA took two and three small fusions (a row amax 
 reduction, the scaled copy its consumer; each a launch of ~1-1.5 us on the H200):
 
 - ``x_rows``: row r is token ``token_of_row[r]``'s row of x (rows past the P pairs: token 0's).
-- ``plan_x_rows``: up to ``kernel.PALLAS_PLAN_MAX_PAIRS`` pairs (1-4 tokens of top-8), the
-  decode plan and x's rows in one launch: every program recomputes the pairwise plan's sorted
-  rows (a few hundred comparisons) to find its row's token; program 0 also stores the plan.
+- ``plan_x_rows``: up to ``PLAN_X_ROWS_MAX_PAIRS`` pairs (1-8 tokens of top-8), the decode
+  plan and x's rows in one launch: program 0 stores the plan (``make_plan``'s Pallas kernel),
+  every other program recomputes the pairs' sorted rows (up to 4096 comparisons) to find its
+  row's token.
 - ``h_rows``: row r of the gate_up launch's output (its K-split partials summed, times the row's
   factor back), its expert's gate_up bias added (the expert found in the work items, the bias
   row read from the ``[E, 2I]`` table), ``act(gate) * up`` rounded to bf16 (as the Triton path
@@ -38,6 +39,7 @@ from pallas_kernels.moe_decode.kernel import (
     _pair_rows,
     _plan_call,
     _plan_kernel,
+    _radix_plan_kernel,
 )
 from pallas_kernels.paged_attention.decode import _pow2_row_scales
 
@@ -94,20 +96,23 @@ def _x_rows_kernel(token_ref, x_ref, rows_ref, factor_ref, *, p: int, block_k: i
 
 def _plan_x_rows_kernel(ids_ref, x_ref, work_ref, token_of_row_ref, row_of_pair_ref, items_ref,
                         rows_ref, factor_ref, *, p: int, k: int, num_experts: int,
-                        item_rows: int, block_k: int | None):
-    """Program r: the pairwise plan's sorted rows of the pairs (every program), the pair at
-    row r gives its token (rows past ``p``: token 0), whose x row it stores; program 0 also
-    stores the plan (``kernel._plan_kernel``)."""
-    r = pl.program_id(0)
+                        item_rows: int, block_k: int | None, plan):
+    """Program 0 stores the plan (``plan``: ``kernel._plan_kernel`` or
+    ``kernel._radix_plan_kernel``); program r + 1 finds the pairs' sorted rows by pairwise
+    comparisons (``_pair_rows``), the pair at row r gives its token (rows past ``p``: token 0),
+    whose x row it stores."""
+    r = pl.program_id(0) - 1
 
-    @pl.when(r == 0)
+    @pl.when(r < 0)
     def _():
-        _plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, items_ref, p=p, k=k,
-                     num_experts=num_experts, item_rows=item_rows)
+        plan(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, items_ref, p=p, k=k,
+             num_experts=num_experts, item_rows=item_rows)
 
-    idx, valid, *_, row = _pair_rows(ids_ref, p, num_experts)
-    token = jnp.sum(jnp.where(valid & (row == r), jax.lax.div(idx, jnp.int32(k)), 0))
-    _store_x_row(x_ref, rows_ref, factor_ref, r, token, block_k)
+    @pl.when(r >= 0)
+    def _():
+        idx, valid, *_, row = _pair_rows(ids_ref, p, num_experts)
+        token = jnp.sum(jnp.where(valid & (row == r), jax.lax.div(idx, jnp.int32(k)), 0))
+        _store_x_row(x_ref, rows_ref, factor_ref, r, token, block_k)
 
 
 def _expert_of_row(items_ref, r):
@@ -158,13 +163,23 @@ def _h_rows_kernel(gu_ref, factor_in_ref, *refs, rows: int, splits: int, layout:
     _store_scaled(rows_ref, factor_ref, r, h, pos, valid)
 
 
+# Row elements a warp of a row program: gpt-oss's rows of 2880 (padded to 4096) take 8 warps,
+# rows up to 2048 4 (H200: NOTES session 19).
+ROW_ELEMENTS_PER_WARP = 512
+
+
+def row_warps(k: int) -> int:
+    """Warps of a program that makes one row of ``k`` (padded to a power of two): 4 to 16."""
+    return min(16, max(4, pl.next_power_of_2(k) // ROW_ELEMENTS_PER_WARP))
+
+
 def _launch(kernel, rows: int, k: int, args, interpret: bool, name: str):
     return pl.pallas_call(
         kernel,
         out_shape=[jax.ShapeDtypeStruct((rows, k), jnp.float16),
                    jax.ShapeDtypeStruct((rows,), jnp.float32)],
         grid=(rows,),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=row_warps(k), num_stages=1),
         interpret=interpret,
         name=name,
     )(*args)
@@ -181,25 +196,38 @@ def x_rows(x: jax.Array, token_of_row: jax.Array, rows: int, *, block_k: int | N
                    "moe_decode_x_rows")
 
 
+# Up to this many pairs (8 tokens of top-8) the decode step's plan and x rows are one launch
+# (``plan_x_rows``): each row's program finds its token by [P, P] pairwise comparisons.
+PLAN_X_ROWS_MAX_PAIRS = 64
+
+
 def plan_x_rows(x: jax.Array, expert_ids: jax.Array, num_experts: int, rows: int, *,
                 item_rows: int, block_k: int | None = None,
                 interpret: bool = False) -> tuple[DecodePlan, tuple[jax.Array, jax.Array]]:
     """``make_plan(pallas=True, item_rows=)``'s plan and ``x_rows(x, plan.token_of_row, rows,
-    block_k=)``'s rows from one launch (``rows`` programs, each its row; up to
-    ``PALLAS_PLAN_MAX_PAIRS`` pairs, the pairwise plan, which every program recomputes)."""
+    block_k=)``'s rows from one launch of ``rows + 1`` programs, up to
+    ``PLAN_X_ROWS_MAX_PAIRS`` pairs: program 0 the plan (``make_plan``'s kernel for ``P``: the
+    pairwise one up to ``PALLAS_PLAN_MAX_PAIRS``, else the radix sort), program r + 1 row r
+    (its token from the pairs' sorted rows, which each such program computes by pairwise
+    comparisons)."""
     t, k = expert_ids.shape
     p = t * k
-    if p > PALLAS_PLAN_MAX_PAIRS:
-        raise ValueError(f"plan_x_rows: {p} pairs, at most {PALLAS_PLAN_MAX_PAIRS}")
+    if p > PLAN_X_ROWS_MAX_PAIRS:
+        raise ValueError(f"plan_x_rows: {p} pairs, at most {PLAN_X_ROWS_MAX_PAIRS}")
     if rows < p:
         raise ValueError(f"plan_x_rows: {rows} rows for {p} pairs")
-    kernel = functools.partial(_plan_x_rows_kernel, block_k=block_k)
+    if expert_ids.size >= 1 << 16:  # unreachable under the bound; the radix sort's limit
+        raise ValueError(f"plan_x_rows: {p} pairs")
+    plan = (_plan_kernel if p <= PALLAS_PLAN_MAX_PAIRS else
+            functools.partial(_radix_plan_kernel, barrier=not interpret))
+    kernel = functools.partial(_plan_x_rows_kernel, block_k=block_k, plan=plan)
     return _plan_call(
-        kernel, expert_ids, num_experts, name="moe_decode_plan_x_rows", num_warps=4,
-        interpret=interpret, item_rows=item_rows, inputs=(x,),
+        kernel, expert_ids, num_experts, name="moe_decode_plan_x_rows",
+        num_warps=row_warps(x.shape[1]), interpret=interpret, item_rows=item_rows,
+        inputs=(x,),
         outputs=(jax.ShapeDtypeStruct((rows, x.shape[1]), jnp.float16),
                  jax.ShapeDtypeStruct((rows,), jnp.float32)),
-        grid=(rows,))
+        grid=(rows + 1,))
 
 
 def h_rows(gu: jax.Array, factor: jax.Array, *, splits: int = 1,
