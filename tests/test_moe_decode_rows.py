@@ -21,6 +21,7 @@ from pallas_kernels.moe_decode.rows import (
     h_rows,
     operand_source,
     plan_x_rows,
+    row_warps,
     rows_reference,
     x_rows,
 )
@@ -86,6 +87,13 @@ def test_plan_x_rows_is_the_plan_and_the_x_rows(pattern, t, k, block_k):
     want_a, want_f = x_rows(x, want.token_of_row, rows, block_k=block_k, interpret=INTERPRET)
     np.testing.assert_array_equal(a, want_a)
     np.testing.assert_array_equal(factor, want_f)
+
+
+def test_row_warps():
+    """4 warps up to 2048-wide rows (Qwen3's H and I), 8 from 4096 padded (gpt-oss's 2880,
+    DeepSeek-V3's 7168)."""
+    assert [row_warps(k) for k in (160, 768, 2048, 2880, 4096, 7168, 16384)] == [4, 4, 4, 8, 8,
+                                                                                   8, 8]
 
 
 def test_plan_x_rows_bad_sizes_raise():
