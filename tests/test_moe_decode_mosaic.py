@@ -171,7 +171,26 @@ def test_compiled_slot_matmul_ragged_k(fmt, k, k_splits):
     check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, block_k=128)
 
 
-def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, block_k: int | None = None):
+@pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4, MXFP4], ids=lambda f: f.value)
+@pytest.mark.parametrize("k,k_splits,bias_dtype", [(128, 1, jnp.bfloat16), (384, 3, jnp.float32),
+                                                   (384, 1, jnp.float16)])
+def test_slot_matmul_epilogue(fmt, k, k_splits, bias_dtype):
+    """The epilogue: each row times its own factor (powers of two from 2^-20 to 2^7, every
+    window column a different one), the item's expert's bias row added once (in split 0)."""
+    check_slot_matmul(fmt, k, compiled=False, k_splits=k_splits, bias_dtype=bias_dtype)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
+@pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4, MXFP4], ids=lambda f: f.value)
+@pytest.mark.parametrize("k,k_splits,bias_dtype", [(128, 1, jnp.bfloat16), (384, 3, jnp.float32),
+                                                   (384, 1, jnp.float16)])
+def test_compiled_slot_matmul_epilogue(fmt, k, k_splits, bias_dtype):
+    """The compiled epilogue: factors by 8-byte loads a thread's column pair, the bias a row."""
+    check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, bias_dtype=bias_dtype)
+
+
+def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, block_k: int | None = None,
+                      bias_dtype=None):
     rng = np.random.default_rng(3)
     n, p = 128, 45  # two 64-row column tiles
     fp8_block = FP8_BLOCK
@@ -186,11 +205,16 @@ def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, block_k: int
     tile = choose_slot_tile(k) if block_k is None else SlotTile(block_k=block_k)
     a_kernel = permute_fp4_activations(a, tile) if fmt in FP4 else a
     fp8_block = fp8_block if fmt is FP8 else None
+    epilogue = {}
+    if bias_dtype is not None:
+        epilogue = dict(
+            row_factor=jnp.asarray(2.0 ** rng.integers(-20, 8, window_rows(p)), jnp.float32),
+            bias=jnp.asarray(rng.standard_normal((4, n)), bias_dtype))
     out = slot_matmul(work, a_kernel, w["w"], scale, None, global_scale, fmt=name,
                       fp8_block=fp8_block, tile=tile, k_splits=k_splits,
-                      interpret=not compiled)
+                      interpret=not compiled, **epilogue)
     ref = slot_matmul_reference(work, a, w["w"], scale, global_scale, fmt=name,
-                                fp8_block=fp8_block)
+                                fp8_block=fp8_block, **epilogue)
     chex.assert_shape(out, (window_rows(p), n))
     out, ref = np.asarray(out), np.asarray(ref)
     owned = np.zeros(window_rows(p), bool)
@@ -289,6 +313,10 @@ def test_slot_matmul_bad_inputs_raise():
         slot_matmul(work, a, w, s[:, :1], fp8_block=FP8_BLOCK)
     with pytest.raises(ValueError, match="a: expected"):
         slot_matmul(work, a.astype(jnp.bfloat16), w, s, fp8_block=FP8_BLOCK)
+    with pytest.raises(ValueError, match=r"row_factor: expected \[24\] float32"):
+        slot_matmul(work, a, w, s, fp8_block=FP8_BLOCK, row_factor=jnp.ones((23,)))
+    with pytest.raises(ValueError, match=r"bias: expected \[2, 128\] bfloat16"):
+        slot_matmul(work, a, w, s, fp8_block=FP8_BLOCK, bias=jnp.ones((2, 128), jnp.int32))
     codes = jnp.zeros((2, 128, 64), jnp.uint8)
     with pytest.raises(ValueError, match="fmt: uint8 weights need"):
         slot_matmul(work, a, codes, jnp.zeros((2, 128, 4), jnp.uint8))
@@ -509,7 +537,8 @@ class TestLowersForHopper:
         (MXFP4, 2880, 2880, 3),
     ], ids=lambda v: getattr(v, "value", v))
     def test_lowers(self, fmt, n, k, k_splits):
-        """Main stack and a folded one-expert extra stack, as the decode step launches them."""
+        """Main stack and a folded one-expert extra stack, as the decode step launches them,
+        with the epilogue's row factors (f16 activations) and a bf16 bias."""
         p, e = 64, 8
         name = format_name(fmt, None)
         w_dtype = {FP8: jnp.float8_e4m3fn, BF16: jnp.bfloat16}.get(fmt, jnp.uint8)
@@ -533,13 +562,15 @@ class TestLowersForHopper:
         args = [jax.ShapeDtypeStruct((3, e + p // ROWS), jnp.int32),
                 jax.ShapeDtypeStruct((window_rows(p), k),
                                      jnp.bfloat16 if fmt is BF16 else jnp.float16),
-                *main, *extra]
+                jax.ShapeDtypeStruct((window_rows(p),), jnp.float32),
+                jax.ShapeDtypeStruct((e, n), jnp.bfloat16), *main, *extra]
 
-        def f(work, a, *arrays):
+        def f(work, a, factor, bias, *arrays):
             main_, extra_ = arrays[:len(main)], arrays[len(main):]
             pad = (None,) * (3 - len(main))
             w, scale, glob = (*main_, *pad)
             return slot_matmul(work, a, w, scale, (*extra_, *pad), glob, fmt=name,
+                               row_factor=None if fmt is BF16 else factor, bias=bias,
                                fp8_block=(128, 128) if fmt is FP8 else None,
                                tile=choose_slot_tile(k, fmt=name), k_splits=k_splits)
 

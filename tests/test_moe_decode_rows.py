@@ -17,7 +17,6 @@ from pallas_kernels.moe_decode.kernel import _epilogue, make_plan
 from pallas_kernels.moe_decode.mosaic import fp4_operand_order
 from pallas_kernels.moe_decode.rows import (
     PLAN_X_ROWS_MAX_PAIRS,
-    expert_of_rows,
     h_rows,
     operand_source,
     plan_x_rows,
@@ -105,32 +104,21 @@ def test_plan_x_rows_bad_sizes_raise():
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("layout,activation,limit,bias,block_k", [
-    (GateUpLayout.CONCATENATED, Activation.SILU, None, False, None),
-    (GateUpLayout.CONCATENATED, Activation.SILU, 0.5, False, 128),  # DeepSeek-V4 clamp
-    (GateUpLayout.INTERLEAVED, Activation.GPT_OSS, 7.0, True, 64),  # gpt-oss
+@pytest.mark.parametrize("layout,activation,limit,block_k", [
+    (GateUpLayout.CONCATENATED, Activation.SILU, None, None),
+    (GateUpLayout.CONCATENATED, Activation.SILU, 0.5, 128),  # DeepSeek-V4 clamp
+    (GateUpLayout.INTERLEAVED, Activation.GPT_OSS, 7.0, 64),  # gpt-oss
 ])
-def test_h_rows(splits, layout, activation, limit, bias, block_k):
-    """h row r: the partials of row r summed, times x's factor, its expert's bias added (the
-    expert of the work item holding the row; rows no item holds: expert 0), ``act(gate) * up``
-    rounded to bf16, then scaled like x (and ordered for FP4)."""
+def test_h_rows(splits, layout, activation, limit, block_k):
+    """h row r: the partials of row r summed, ``act(gate) * up`` rounded to bf16, then scaled
+    like x (and ordered for FP4)."""
     rows, inter = 24, 384  # not a power of two
     gu = spread_rows(jax.random.key(splits), splits * rows, 2 * inter)
-    factor = 2.0 ** jax.random.randint(jax.random.key(1), (rows,), -20, 5).astype(jnp.float32)
-    table = jax.random.normal(jax.random.key(2), (5, 2 * inter)).astype(jnp.bfloat16)
-    # (expert, first row, rows): rows 0-4, 5-20, 21-22; row 23 no item's; an idle item
-    items = jnp.asarray(np.array([[3, 0, 5], [1, 5, 16], [4, 21, 2], [5, 23, 0]]).T, jnp.int32)
-    h, h_factor = h_rows(gu, factor, splits=splits, bias=table if bias else None,
-                         items=items if bias else None, activation=activation, layout=layout,
-                         limit=limit, block_k=block_k, interpret=INTERPRET)
+    h, h_factor = h_rows(gu, splits=splits, activation=activation, layout=layout, limit=limit,
+                         block_k=block_k, interpret=INTERPRET)
     total = gu[:rows]
     for s in range(1, splits):
         total = total + gu[s * rows:(s + 1) * rows]
-    total = total * factor[:, None]
-    if bias:
-        expert = expert_of_rows(items, rows)
-        np.testing.assert_array_equal(expert, [3] * 5 + [1] * 16 + [4] * 2 + [0])
-        total = total + table.astype(jnp.float32)[expert]
     if layout is GateUpLayout.INTERLEAVED:
         gate, up = total[:, 0::2], total[:, 1::2]
     else:
@@ -154,30 +142,27 @@ def test_rows_lower_to_triton_for_h200(fp4):
                              (2880, 2880, GateUpLayout.INTERLEAVED)):
         bk = (128 if h % 128 == 0 else 64) if fp4 else None
 
-        def f(x, token, gu, bias, items, h=h, inter=inter, layout=layout, bk=bk):
+        def f(x, token, gu, h=h, inter=inter, layout=layout, bk=bk):
             a, factor = x_rows(x, token, 88, block_k=bk)
             _, (a1, _) = plan_x_rows(x, token[:32].reshape(4, 8), 128, 40, item_rows=16,
                                      block_k=bk)
             _, (a2, _) = plan_x_rows(x, token.reshape(8, 8), 128, 88, item_rows=16,
                                      block_k=bk)  # the radix plan's program
-            return a, a1, a2, h_rows(gu, factor, splits=2, bias=bias, items=items, layout=layout,
-                                 activation=Activation.GPT_OSS, limit=7.0, block_k=bk)
+            return a, a1, a2, h_rows(gu, splits=2, layout=layout, activation=Activation.GPT_OSS,
+                                 limit=7.0, block_k=bk)
 
         with jax.sharding.use_abstract_mesh(mesh):
             lowered = jax.jit(functools.partial(f)).trace(
-                sd((8, h), jnp.bfloat16), sd((64,), jnp.int32), sd((176, 2 * inter), jnp.float32),
-                sd((128, 2 * inter), jnp.bfloat16),
-                sd((3, 132), jnp.int32)).lower(lowering_platforms=("cuda",))
+                sd((8, h), jnp.bfloat16), sd((64,), jnp.int32),
+                sd((176, 2 * inter), jnp.float32)).lower(lowering_platforms=("cuda",))
         assert lowered.as_text().count("__gpu$xla.gpu.triton") == 4
 
 
-def test_h_rows_bias_needs_items():
-    gu, factor = jnp.ones((8, 256)), jnp.ones((8,))
-    with pytest.raises(ValueError, match="come together"):
-        h_rows(gu, factor, bias=jnp.ones((4, 256)), interpret=True)
-    with pytest.raises(ValueError, match=r"expected bias \[E, 256\] and items \[3, W\]"):
-        h_rows(gu, factor, bias=jnp.ones((4, 128)), items=jnp.zeros((3, 2), jnp.int32),
-               interpret=True)
+def test_h_rows_bad_shapes_raise():
+    with pytest.raises(ValueError, match=r"expected gu \[2 \* R, 2I\]"):
+        h_rows(jnp.ones((9, 256)), splits=2, interpret=True)
+    with pytest.raises(ValueError, match=r"expected gu"):
+        h_rows(jnp.ones((8, 255)), interpret=True)
 
 
 def test_round_to_bf16_is_the_cast():

@@ -25,8 +25,11 @@ rows of ``out`` are not written. Grid ``(W, N / 64[, k_splits])``, one warpgroup
 ``BLOCK_N`` = 64 weight rows are the wgmma's M, the 24-row window its N.
 The transposed accumulator ``[64, 24]`` is stored transposed into SMEM (``WGMMA_TRANSPOSED``
 layout) and the item's rows leave by TMA, one store per set bit of its row count (a TMA box
-has a static shape; no other row is touched). With ``k_splits`` > 1 each program dots a
-contiguous share of the K steps into its own copy of the output rows, summed by XLA.
+has a static shape; no other row is touched). Before the store the epilogue multiplies each
+row by its ``row_factor`` (the activation rows' scale back out of f16) and adds the expert's
+``bias`` row, both loaded before the K steps so their latency hides under them. With
+``k_splits`` > 1 each program dots a contiguous share of the K steps into its own copy of the
+output rows (split 0's with the bias), summed by the next launch (``h_rows``) or XLA.
 
 Formats: FP8_BLOCK (e4m3 weights, f32 block scales ``[E, cdiv(N, b0), cdiv(K, b1)]``: each K
 step's partial is multiplied by its block scale; 64 divides ``b0`` and ``block_k`` divides
@@ -54,9 +57,10 @@ Interpret mode builds the same operands with jnp (``_fp4_operands_jnp``).
 The full decode step (``moe_decode_mosaic_pairs``), five launches up to 1024 pairs: the plan
 with its work items (``kernel.make_plan(item_rows=ROWS)``: one Pallas launch, pairwise up to 32
 pairs, a radix sort up to 1024; past that XLA's plan and its item cut, ``work_items``) -> x's
-f16 rows in sorted order (``rows.x_rows``) -> gate_up -> the activation and h's f16 rows
-(``rows.h_rows``) -> down; each pair's row is picked by the caller's combine
-(``kernel.pairs_of``, fused by XLA). Up to 64 pairs the plan and x's rows are one launch
+f16 rows in sorted order (``rows.x_rows``) -> gate_up (x's factors and the gate_up bias in
+its epilogue) -> the activation and h's f16 rows (``rows.h_rows``) -> down (h's factors and the
+down bias likewise); each pair's row is picked by the caller's combine (``kernel.pairs_of``,
+fused by XLA). Up to 64 pairs the plan and x's rows are one launch
 (``rows.plan_x_rows``): four. BF16 weights take bf16 rows gathered by XLA.
 """
 
@@ -96,7 +100,7 @@ from pallas_kernels.moe_decode.kernel import (
     num_items,
     pairs_of,
 )
-from pallas_kernels.moe_decode.rows import expert_of_rows, h_rows, plan_x_rows, x_rows
+from pallas_kernels.moe_decode.rows import h_rows, plan_x_rows, x_rows
 
 ROWS = 16  # rows of one work item
 NUM_STAGES = 3  # TMA stages in flight: 31 KB of SMEM a CTA, 7 CTAs an SM (H200 sweep: NOTES)
@@ -182,8 +186,9 @@ def _kernel(
     #   permute_fp4_activations(., tile)
     *rest,  # per stack (main, [extra]): w [E, N, K] e4m3 | bf16, or [E, N, K/2] u8
     #   (FP4); FP8: scale [E, cdiv(N, b0), cdiv(K, b1)] f32; NVFP4: scale [E, N, K/16] e4m3,
-    #   global [E, R] f32; MXFP4: scale [E, N, K/32] u8. Then out [R, N] f32, [w_stage
-    #   (interpret mode): [BLOCK_N, bk] 16-bit]
+    #   global [E, R] f32; MXFP4: scale [E, N, K/32] u8. Then [row_factor [R] f32], [bias
+    #   [E, N] (the main stack's)], out [R, N] f32, [w_stage (interpret mode): [BLOCK_N, bk]
+    #   16-bit]
     tile: SlotTile,
     fmt: str,  # "bf16" | "fp8" | "nvfp4" | "mxfp4"
     fp8_block: tuple[int, int] | None,
@@ -192,10 +197,15 @@ def _kernel(
     num_stacks: int,
     stage_w: bool,
     k_splits: int,  # programs along K: split s dots steps [s * num_steps, (s + 1) * num_steps)
+    row_factor: bool,
+    bias: bool,
 ):
     per_stack = _stack_size(fmt)
     stacks = [rest[i * per_stack:(i + 1) * per_stack] for i in range(num_stacks)]
-    o_gmem, *w_stage = rest[num_stacks * per_stack:]
+    rest = list(rest[num_stacks * per_stack:])
+    factor_ref = rest.pop(0) if row_factor else None
+    bias_ref = rest.pop(0) if bias else None
+    o_gmem, *w_stage = rest
     w_dtype = stacks[0][0].dtype
     bn, bk = BLOCK_N, tile.block_k
     u, nt = lax.axis_index("w"), lax.axis_index("n")
@@ -385,10 +395,19 @@ def _kernel(
             done = done + (num_rows & size)
             size //= 2
 
-    def run(w_gmem, *scales, e):
+    def run(w_gmem, *scales, e, bias_ref=None):
         """This item's rows through expert ``e`` of one stack, stored."""
         w_tile = w_gmem.at[e, pl.ds(n0, bn)]
         a_tile = a_gmem.at[pl.ds(row0, WINDOW)]
+        # the epilogue's row factors and bias loaded before the steps (their latency hidden)
+        if stage_w:
+            factors = None if factor_ref is None else lax.broadcast_in_dim(
+                factor_ref[pl.ds(row0, WINDOW)], (bn, WINDOW), [1])
+            b = None if bias_ref is None else bias_ref[e, pl.ds(n0, bn)].astype(jnp.float32)
+        else:
+            factors = None if factor_ref is None else _window_factors_inline(factor_ref, row0)
+            b = None if bias_ref is None else _row_bias_inline(
+                bias_ref, e * bias_ref.shape[1] + n0)
         match fmt:  # acc [bn, WINDOW]
             case "bf16":
                 acc = plain_steps(w_tile, a_tile)
@@ -397,6 +416,11 @@ def _kernel(
             case _:
                 acc = fp4_steps(w_tile, a_tile, scales[0],
                                 scales[1] if fmt == "nvfp4" else None, e)
+        if factors is not None:  # the window rows' factors: each column its own
+            acc = acc * factors
+        if b is not None:  # the bias once: in split 0
+            on = jnp.float32(1.0) if split is None else jnp.where(split == 0, 1.0, 0.0)
+            acc = acc + lax.broadcast_in_dim(b * on, (bn, WINDOW), [0])
 
         def store(o_smem):  # o_smem[r, n] = acc[n, r]: the accumulator stored transposed
             o_smem.transpose((1, 0))[...] = plgpu.layout_cast(acc,
@@ -412,7 +436,7 @@ def _kernel(
 
     @pl.when((num_rows > 0) & (e < main_experts))
     def _():
-        run(*stacks[0], e=e)
+        run(*stacks[0], e=e, bias_ref=bias_ref)
 
     if num_stacks == 2:  # expert ids from main_experts on name the extra stack's experts
         @pl.when((num_rows > 0) & (e >= main_experts))
@@ -548,6 +572,57 @@ def _row_bits(carrier, i):
     reg = vector.extract(carrier.registers[0, 0, i, 0, 0], dynamic_position=[],
                          static_position=ir.DenseI64ArrayAttr.get([0]))
     return arith.bitcast(ir.IntegerType.get_signless(32), reg)
+
+
+def _window_factors_inline(factor_ref, row0):
+    """``[bn, WINDOW]`` f32 (WGMMA layout), column j ``factor_ref[row0 + j]``: the window
+    rows' factors (``row0`` a multiple of 8), each a thread's two columns by one 8-byte load."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT),
+                       return_type=plgpu.ShapeDtypeStruct((BLOCK_N, WINDOW), jnp.float32,
+                                                          layout=plgpu.Layout.WGMMA))
+    def load(_, ref, first):
+        f32x2 = ir.VectorType.get((2,), ir.F32Type.get())
+        _, _, _, quad = _thread_rows()
+        ptr = mgpu.utils.memref_ptr(ref)
+        # register [0, j, 0, 0, i, ...]: row half i, columns 8j + 2c, 8j + 2c + 1
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((BLOCK_N, WINDOW)), object)
+        at = arith.addi(first.registers.item(), arith.muli(quad, _i32(2)))
+        for j in range(WINDOW // 8):
+            pair = _load(ptr, arith.muli(arith.addi(at, _i32(8 * j)), _i32(4)), f32x2)
+            for i in range(2):
+                regs[0, j, 0, 0, i, 0, 0, 0, 0] = pair
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return load(factor_ref, jnp.asarray(row0, jnp.int32))
+
+
+_BIAS_TYPES = {jnp.dtype(jnp.bfloat16): ir.BF16Type, jnp.dtype(jnp.float16): ir.F16Type,
+               jnp.dtype(jnp.float32): ir.F32Type}
+
+
+def _row_bias_inline(bias_ref, first):
+    """``[bn]`` f32 (WGMMA rows): entries ``first + n`` of the flat bias table (bf16, f16 or
+    f32), a scalar load a thread's row half."""
+    dtype = jnp.dtype(bias_ref.dtype)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT),
+                       return_type=plgpu.ShapeDtypeStruct((BLOCK_N,), jnp.float32,
+                                                          layout=_ROW_CARRIER))
+    def load(_, ref, start):
+        f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
+        row, _, _, _ = _thread_rows()
+        ptr = mgpu.utils.memref_ptr(ref)
+        bits = []
+        for i in range(2):  # row half
+            idx = arith.addi(start.registers.item(), arith.addi(row, _i32(8 * i)))
+            v = _load(ptr, arith.muli(idx, _i32(dtype.itemsize)), _BIAS_TYPES[dtype].get())
+            if dtype != jnp.float32:
+                v = arith.extf(f32, v)
+            bits.append(arith.bitcast(i32, v))
+        return _row_carrier(bits)
+
+    return load(bias_ref, jnp.asarray(first, jnp.int32))
 
 
 def _fp4_scale_bits_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
@@ -819,6 +894,8 @@ def slot_matmul(
     #   expert ids E .. E + E2 - 1
     global_scale: jax.Array | None = None,  # NVFP4: [E, R] f32, row n uses segment n // (N // R)
     *,
+    row_factor: jax.Array | None = None,  # [R] f32: row r of out times row_factor[r]
+    bias: jax.Array | None = None,  # [E, N] bf16 | f16 | f32: the main stack's rows, added
     fmt: str | None = None,  # FORMATS; None: from w's dtype (e4m3: fp8, 16-bit: bf16)
     fp8_block: tuple[int, int] | None = None,
     tile: SlotTile = SlotTile(),
@@ -829,9 +906,12 @@ def slot_matmul(
     """``out [R, N]`` f32 in sorted-row order, row for row with ``a`` (see the module
     docstring; rows no item owns are not written). Items own rows below ``P`` where ``R >=
     window_rows(P)`` (every item's window inside ``a``: the caller's contract, data-dependent).
+    The epilogue: ``out[r] = acc[r] * row_factor[r] + bias[e]`` for row r of an item of expert
+    e (the factor undoes the activation rows' scaling into f16; the bias is the main stack's,
+    and the extra stack's rows get none).
     ``k_splits`` > 1 splits K over that many programs per (item, 64 weight rows), each with its own
     output rows, summed here (more programs for few tokens; ``sum_splits=False``: returned
-    stacked, ``[k_splits * R, N]``); it must divide ``K / block_k``.
+    stacked, ``[k_splits * R, N]``, the bias in split 0's); it must divide ``K / block_k``.
     ``interpret=True`` runs the Mosaic GPU interpreter (CPU tests)."""
     if a.ndim != 2 or w.ndim != 3:
         raise ValueError(f"a, w: expected ranks 2 and 3, got shapes {a.shape}, {w.shape}")
@@ -902,13 +982,25 @@ def slot_matmul(
                 raise ValueError(f"{prefix}global_scale: expected [{ws.shape[0]}, "
                                  f"{n // global_rows}] f32")
             operands.append(gs.reshape(ws.shape[0], -1).astype(jnp.float32))
+    epilogue = []
+    if row_factor is not None:
+        if row_factor.shape != (rows_a,) or row_factor.dtype != jnp.float32:
+            raise ValueError(f"row_factor: expected [{rows_a}] float32, got {row_factor.shape} "
+                             f"{row_factor.dtype}")
+        epilogue.append(row_factor)
+    if bias is not None:
+        if bias.shape != (w.shape[0], n) or jnp.dtype(bias.dtype) not in _BIAS_TYPES:
+            raise ValueError(f"bias: expected [{w.shape[0]}, {n}] bfloat16, float16 or float32, "
+                             f"got {bias.shape} {bias.dtype}")
+        epilogue.append(bias)
     bn, bk = BLOCK_N, tile.block_k
     stage = [plgpu.SMEM((bn, bk), a.dtype, transforms=_transforms(
         bk * a.dtype.itemsize, a.dtype.itemsize))] if interpret else []
     kernel = plgpu.kernel(
         functools.partial(_kernel, tile=tile, fmt=fmt, fp8_block=fp8_block,
                           global_rows=global_rows or 0, k=k, num_stacks=len(stacks),
-                          stage_w=interpret, k_splits=k_splits),
+                          stage_w=interpret, k_splits=k_splits,
+                          row_factor=row_factor is not None, bias=bias is not None),
         out_type=jax.ShapeDtypeStruct((k_splits * rows_a, n), jnp.float32),
         grid=(work.shape[1], n // bn) + ((k_splits,) if k_splits > 1 else ()),
         grid_names=("w", "n") + (("s",) if k_splits > 1 else ()),
@@ -917,14 +1009,14 @@ def slot_matmul(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    out = kernel(work, pad_k(a), *operands)
+    out = kernel(work, pad_k(a), *operands, *epilogue)
     if k_splits == 1 or not sum_splits:
         return out
     return out.reshape(k_splits, rows_a, n).sum(axis=0)
 
 
-def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, fmt: str | None = None,
-                          fp8_block=None) -> jax.Array:
+def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, row_factor=None,
+                          bias=None, fmt: str | None = None, fp8_block=None) -> jax.Array:
     """Plain jnp: ``[R, N]`` f32, every row of every item (rows no item owns: 0); ``a`` in the
     natural K order (``slot_matmul`` takes FP4 activations permuted)."""
     fmt = format_name(fmt, w.dtype)
@@ -937,8 +1029,12 @@ def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, fmt: str
     owner = (r[:, None] >= start[None, :]) & (r[:, None] < (start + count)[None, :])  # [R, W]
     e = jnp.sum(jnp.where(owner, expert[None, :], 0), axis=1)  # [R]
     owned = jnp.any(owner, axis=1)
-    out = jnp.einsum("pk,pnk->pn", af, wf[jnp.clip(e, 0, w.shape[0] - 1)],
-                     precision=jax.lax.Precision.HIGHEST)
+    e = jnp.clip(e, 0, w.shape[0] - 1)
+    out = jnp.einsum("pk,pnk->pn", af, wf[e], precision=jax.lax.Precision.HIGHEST)
+    if row_factor is not None:
+        out = out * row_factor[:, None]
+    if bias is not None:
+        out = out + bias.astype(jnp.float32)[e]
     return jnp.where(owned[:, None], out, 0.0)
 
 
@@ -1074,23 +1170,22 @@ def moe_decode_mosaic_pairs(
     elif not (isinstance(k_splits, tuple) and len(k_splits) == 2):
         raise ValueError(f"k_splits: expected (gate_up, down) ints or 'auto', got {k_splits!r}")
 
-    def launch(a, w, scale, global_scale, extra_stack, tile, splits):
-        """``a [R, K]`` (sorted rows) through one launch: ``[splits * R, N]`` f32, the K-split
-        partials stacked (rows past the items' hold garbage: they only meet other garbage
-        rows)."""
-        return slot_matmul(work, a, w, scale, extra_stack, global_scale, fmt=fmt,
-                           fp8_block=fp8_block, tile=tile, k_splits=splits, sum_splits=False,
-                           interpret=interpret)
+    def launch(a, factor, w, scale, global_scale, bias, extra_stack, tile, splits):
+        """``a [R, K]`` (sorted rows, times ``factor`` back) through one launch, the bias
+        added: ``[splits * R, N]`` f32, the K-split partials stacked (rows past the items'
+        hold garbage: they only meet other garbage rows)."""
+        if bias is not None and bias.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+            bias = bias.astype(jnp.float32)
+        return slot_matmul(work, a, w, scale, extra_stack, global_scale, row_factor=factor,
+                           bias=bias, fmt=fmt, fp8_block=fp8_block, tile=tile, k_splits=splits,
+                           sum_splits=False, interpret=interpret)
 
     xs = None if extra is None else (extra.gate_up, extra.gate_up_scale,
                                      extra.gate_up_global_scale)
     if fmt == "bf16":  # bf16 rows, the glue in XLA
         token = jnp.pad(plan.token_of_row, (0, rows - p))  # [R] (extra rows: token 0)
-        gu = launch(x[token], gate_up, gate_up_scale, gate_up_global_scale, xs, tile[0],
-                    k_splits[0]).reshape(k_splits[0], rows, two_i).sum(axis=0)
-        if gate_up_bias is not None:
-            gu = gu + jnp.take(gate_up_bias.astype(jnp.float32), expert_of_rows(work, rows),
-                               axis=0)
+        gu = launch(x[token], None, gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias,
+                    xs, tile[0], k_splits[0]).reshape(k_splits[0], rows, two_i).sum(axis=0)
         if layout is GateUpLayout.INTERLEAVED:
             gate, up = gu[:, 0::2], gu[:, 1::2]
         else:
@@ -1102,20 +1197,13 @@ def moe_decode_mosaic_pairs(
     else:  # f16 rows scaled per row (rows.py: one launch each)
         a, factor = x16 or x_rows(x, plan.token_of_row, rows, block_k=order(tile[0]),
                                   interpret=interpret)
-        gu = launch(a, gate_up, gate_up_scale, gate_up_global_scale, xs, tile[0],
-                    k_splits[0])  # [S * R, 2I]
-        h, factor = h_rows(gu, factor, splits=k_splits[0], bias=gate_up_bias,
-                           items=None if gate_up_bias is None else work,
-                           activation=activation, layout=layout, limit=limit, alpha=alpha,
-                           block_k=order(tile[1]), interpret=interpret)
+        gu = launch(a, factor, gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, xs,
+                    tile[0], k_splits[0])  # [S * R, 2I]
+        h, factor = h_rows(gu, splits=k_splits[0], activation=activation, layout=layout,
+                           limit=limit, alpha=alpha, block_k=order(tile[1]),
+                           interpret=interpret)
     xs = None if extra is None else (extra.down, extra.down_scale, extra.down_global_scale)
-    y = launch(h, down, down_scale, down_global_scale, xs, tile[1],
+    y = launch(h, factor, down, down_scale, down_global_scale, down_bias, xs, tile[1],
                k_splits[1]).reshape(k_splits[1], rows, hidden)  # [S, R, H]
-    if factor is not None:
-        y = y * factor[None, :, None]
-    pairs = pairs_of(y, plan)
-    if down_bias is not None:  # each routed pair its expert's (fused into the pick by XLA)
-        pick = jnp.take(down_bias.astype(jnp.float32), jnp.clip(expert_ids, 0, e - 1), axis=0)
-        pairs = pairs + jnp.where(plan.routed[..., None], pick, 0.0)
-    return pairs
+    return pairs_of(y, plan)
 

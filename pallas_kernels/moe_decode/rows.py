@@ -11,10 +11,9 @@ reduction, the scaled copy its consumer; each a launch of ~1-1.5 us on the H200)
   plan and x's rows in one launch: program 0 stores the plan (``make_plan``'s Pallas kernel),
   every other program recomputes the pairs' sorted rows (up to 4096 comparisons) to find its
   row's token.
-- ``h_rows``: row r of the gate_up launch's output (its K-split partials summed, times the row's
-  factor back), its expert's gate_up bias added (the expert found in the work items, the bias
-  row read from the ``[E, 2I]`` table), ``act(gate) * up`` rounded to bf16 (as the Triton path
-  stores h), then scaled like x.
+- ``h_rows``: row r of the gate_up launch's output (its K-split partials summed; x's factor
+  and the gate_up bias are in that launch's epilogue), ``act(gate) * up`` rounded to bf16 (as
+  the Triton path stores h), then scaled like x.
 
 Each returns ``(rows [R, K] f16, factor [R] f32)``: ``rows * factor`` is the row as computed.
 A program loads its row in the order it stores it (the operand order for FP4: a gather from
@@ -115,47 +114,19 @@ def _plan_x_rows_kernel(ids_ref, x_ref, work_ref, token_of_row_ref, row_of_pair_
         _store_x_row(x_ref, rows_ref, factor_ref, r, token, block_k)
 
 
-def _expert_of_row(items_ref, r):
-    """The expert of sorted row ``r``: that of the work item ``[3, W]`` (expert, first row,
-    rows) holding it; 0 for a row no item holds."""
-    w = items_ref.shape[1]
-    i = jnp.arange(max(16, pl.next_power_of_2(w)), dtype=jnp.int32)
-    valid = i < w
-    expert, first, count = (plgpu.load(items_ref.at[jnp.int32(f), i], mask=valid, other=0)
-                            for f in range(3))
-    return jnp.sum(jnp.where(valid & (first <= r) & (r < first + count), expert, 0))
-
-
-def expert_of_rows(items: jax.Array, rows: int) -> jax.Array:
-    """``[rows]`` the expert of each sorted row: that of the work item ``[3, W]`` (expert,
-    first row, rows) holding it; 0 for a row no item holds (``h_rows``' rule, in jnp)."""
-    expert, first, count = items
-    r = jnp.arange(rows, dtype=jnp.int32)[:, None]
-    owns = (first[None, :] <= r) & (r < (first + count)[None, :])  # [rows, W]
-    return jnp.sum(jnp.where(owns, expert[None, :], 0), axis=1)
-
-
-def _h_rows_kernel(gu_ref, factor_in_ref, *refs, rows: int, splits: int, layout: GateUpLayout,
-                   activation: Activation, limit: float | None, alpha: float,
-                   block_k: int | None, bias: bool):
-    bias_ref, items_ref = refs[:2] if bias else (None, None)
-    rows_ref, factor_ref = refs[-2:]
+def _h_rows_kernel(gu_ref, rows_ref, factor_ref, *, rows: int, splits: int,
+                   layout: GateUpLayout, activation: Activation, limit: float | None,
+                   alpha: float, block_k: int | None):
     r = pl.program_id(0)
     inter = rows_ref.shape[1]
     pos, src, valid = _columns(inter, block_k)
     interleaved = layout is GateUpLayout.INTERLEAVED
     cols = (2 * src, 2 * src + 1) if interleaved else (src, src + inter)
-    factor = factor_in_ref[r]
-    expert = None if bias_ref is None else _expert_of_row(items_ref, r)
 
-    def part(c):  # the gate or up columns of row r, split partials summed, factor applied
+    def part(c):  # the gate or up columns of row r, split partials summed
         v = plgpu.load(gu_ref.at[r, c], mask=valid, other=0.0)
         for s in range(1, splits):
             v = v + plgpu.load(gu_ref.at[s * rows + r, c], mask=valid, other=0.0)
-        v = v * factor
-        if bias_ref is not None:
-            v = v + plgpu.load(bias_ref.at[expert, c], mask=valid,
-                               other=0.0).astype(jnp.float32)
         return v
 
     h = _epilogue(part(cols[0]), part(cols[1]), activation, limit, alpha)
@@ -228,29 +199,19 @@ def plan_x_rows(x: jax.Array, expert_ids: jax.Array, num_experts: int, rows: int
         grid=(rows + 1,))
 
 
-def h_rows(gu: jax.Array, factor: jax.Array, *, splits: int = 1,
-           bias: jax.Array | None = None, items: jax.Array | None = None,
-           activation: Activation = Activation.SILU,
+def h_rows(gu: jax.Array, *, splits: int = 1, activation: Activation = Activation.SILU,
            layout: GateUpLayout = GateUpLayout.CONCATENATED, limit: float | None = None,
            alpha: float = GPT_OSS_ALPHA, block_k: int | None = None,
            interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """The gate_up launch's output ``gu [splits * R, 2I]`` f32 (K-split partials stacked) and
-    ``factor [R]`` (x's row factors) -> (h f16 rows ``[R, I]``, their factors). ``bias [E, 2I]``:
-    each row gets its expert's, the expert found in the work ``items [3, W]`` (expert, first
-    row, rows) that hold the row (rows no item holds: expert 0's)."""
-    rows = factor.shape[0]
-    inter = gu.shape[1] // 2
-    if (bias is None) != (items is None):
-        raise ValueError("h_rows: bias [E, 2I] and items [3, W] come together")
-    if bias is not None and (bias.ndim != 2 or bias.shape[1] != gu.shape[1] or items.ndim != 2
-                             or items.shape[0] != 3):
-        raise ValueError(f"h_rows: expected bias [E, {gu.shape[1]}] and items [3, W], got "
-                         f"{bias.shape} and {items.shape}")
+    """The gate_up launch's output ``gu [splits * R, 2I]`` f32 (K-split partials stacked, x's
+    factors and the bias applied) -> (h f16 rows ``[R, I]``, their factors)."""
+    if gu.ndim != 2 or gu.shape[0] % splits or gu.shape[1] % 2:
+        raise ValueError(f"h_rows: expected gu [{splits} * R, 2I], got {gu.shape}")
+    rows, inter = gu.shape[0] // splits, gu.shape[1] // 2
     kernel = functools.partial(
         _h_rows_kernel, rows=rows, splits=splits, layout=layout, activation=activation,
-        limit=limit, alpha=alpha, block_k=block_k, bias=bias is not None)
-    args = (gu, factor) + (() if bias is None else (bias, items.astype(jnp.int32)))
-    return _launch(kernel, rows, inter, args, interpret, "moe_decode_h_rows")
+        limit=limit, alpha=alpha, block_k=block_k)
+    return _launch(kernel, rows, inter, (gu,), interpret, "moe_decode_h_rows")
 
 
 def rows_reference(v: jax.Array, block_k: int | None = None) -> tuple[jax.Array, jax.Array]:
