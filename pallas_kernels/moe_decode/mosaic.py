@@ -1174,7 +1174,7 @@ def moe_decode_mosaic_pairs(
         """``a [R, K]`` (sorted rows, times ``factor`` back) through one launch, the bias
         added: ``[splits * R, N]`` f32, the K-split partials stacked (rows past the items'
         hold garbage: they only meet other garbage rows)."""
-        if bias is not None and bias.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        if bias is not None and jnp.dtype(bias.dtype) not in _BIAS_TYPES:
             bias = bias.astype(jnp.float32)
         return slot_matmul(work, a, w, scale, extra_stack, global_scale, row_factor=factor,
                            bias=bias, fmt=fmt, fp8_block=fp8_block, tile=tile, k_splits=splits,
