@@ -165,10 +165,13 @@ def test_slot_matmul_ragged_k(fmt, k, k_splits):
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
 @pytest.mark.parametrize("fmt", [FP8, BF16], ids=lambda f: f.value)
-@pytest.mark.parametrize("k,k_splits", [(192, 1), (192, 2), (320, 3), (2880, 1)])
-def test_compiled_slot_matmul_ragged_k(fmt, k, k_splits):
-    """The ragged last step through the compiled kernels: the TMA's zero fill past K."""
-    check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, block_k=128)
+@pytest.mark.parametrize("k,k_splits,stages", [(192, 1, 3), (192, 2, 3), (320, 3, 3),
+                                               (2880, 1, 3), (2880, 1, 4)])
+def test_compiled_slot_matmul_ragged_k(fmt, k, k_splits, stages):
+    """The ragged last step through the compiled kernels: the TMA's zero fill past K (gpt-oss's
+    2880 also at its 4 stages)."""
+    check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, block_k=128,
+                      num_stages=stages)
 
 
 @pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4, MXFP4], ids=lambda f: f.value)
@@ -190,7 +193,7 @@ def test_compiled_slot_matmul_epilogue(fmt, k, k_splits, bias_dtype):
 
 
 def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, block_k: int | None = None,
-                      bias_dtype=None):
+                      bias_dtype=None, num_stages: int = mosaic.NUM_STAGES):
     rng = np.random.default_rng(3)
     n, p = 128, 45  # two 64-row column tiles
     fp8_block = FP8_BLOCK
@@ -202,7 +205,8 @@ def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, block_k: int
                                  [4, 0, 0], [2, 42, 3]]).T, jnp.int32)
     a_dtype = jnp.bfloat16 if fmt is BF16 else jnp.float16
     a = jnp.asarray(rng.standard_normal((window_rows(p), k)), a_dtype)
-    tile = choose_slot_tile(k) if block_k is None else SlotTile(block_k=block_k)
+    tile = choose_slot_tile(k) if block_k is None else SlotTile(block_k=block_k,
+                                                                 num_stages=num_stages)
     a_kernel = permute_fp4_activations(a, tile) if fmt in FP4 else a
     fp8_block = fp8_block if fmt is FP8 else None
     epilogue = {}
@@ -394,7 +398,7 @@ def test_choose_k_splits():
     assert choose_k_splits(1, 128, 2048, gate_up) == 8  # 2 programs: 8 splits of 2 steps
     assert choose_k_splits(4, 2880, 2880, choose_slot_tile(2880)) == 3  # 45 steps, 180 progs
     ragged = choose_slot_tile(2880, fmt="fp8")  # 23 steps of 128, the last one ragged
-    assert ragged.block_k == 128 and ragged.num_stages == mosaic.NUM_STAGES
+    assert ragged.block_k == 128 and ragged.num_stages == mosaic.NUM_STAGES_LONG
     for fmt in ("nvfp4", "mxfp4"):  # FP4: steps of 256 where they divide K
         assert [choose_slot_tile(k, fmt=fmt).block_k for k in (2048, 768, 640)] == [256, 256, 128]
         assert choose_slot_tile(2048, fmt=fmt).num_stages == mosaic.NUM_STAGES_WIDE
@@ -403,6 +407,9 @@ def test_choose_k_splits():
     assert choose_slot_tile(2880, fmt="nvfp4").block_k == 192
     assert choose_slot_tile(320, fmt="nvfp4").block_k == 64
     assert choose_slot_tile(2048, fmt="fp8").block_k == 128
+    # 4 stages from 20 K steps of 128 (gpt-oss's 23), 3 below (Qwen3's gate_up 16, down 6)
+    assert [choose_slot_tile(k, fmt="fp8").num_stages for k in (2560, 2432, 2048, 768)] == [
+        4, 3, 3, 3]
     assert choose_k_splits(4, 2880, 2880, ragged) == 1  # 23 steps: no divisor
 
 

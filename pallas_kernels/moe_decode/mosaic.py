@@ -103,7 +103,9 @@ from pallas_kernels.moe_decode.kernel import (
 from pallas_kernels.moe_decode.rows import h_rows, plan_x_rows, x_rows
 
 ROWS = 16  # rows of one work item
-NUM_STAGES = 3  # TMA stages in flight: 31 KB of SMEM a CTA, 7 CTAs an SM (H200 sweep: NOTES)
+NUM_STAGES = 3  # TMA stages in flight: 43 KB of SMEM a CTA, 5 CTAs an SM (H200 sweep: NOTES)
+NUM_STAGES_LONG = 4  # the same for K of at least LONG_K_STEPS steps of <= 128 (H200: NOTES)
+LONG_K_STEPS = 20  # gpt-oss's 23 steps of 128 take 4 stages; Qwen3's 16 (gate_up) 3
 NUM_STAGES_WIDE = 2  # the same for FP4 steps of 192 / 256 (20 KB a stage at 256; H200: NOTES)
 SCALE_PREFETCH = 3  # K steps a scale load is issued before its step (1: the step before)
 WINDOW = ROWS + 8  # activation rows a program reads (the wgmma's N): from an 8-aligned row
@@ -131,7 +133,8 @@ def choose_slot_tile(k: int, num_stages: int | None = None, fmt: str | None = No
     """Pure heuristic: K steps of 128 where they divide K, else 64; FP8 and BF16 (``fmt``)
     take steps of 128 for any K that is a multiple of 64 (the last step ragged), NVFP4 and
     MXFP4 steps of 256 where those divide K, else of 192 where those do (gpt-oss's 2880: 15
-    steps). Stages: ``NUM_STAGES`` (``NUM_STAGES_WIDE`` for steps of 192 / 256) unless
+    steps). Stages: ``NUM_STAGES``, ``NUM_STAGES_LONG`` where K is ``LONG_K_STEPS`` steps or
+    more (gpt-oss's 2880: 23 of 128), ``NUM_STAGES_WIDE`` for steps of 192 / 256, unless
     given."""
     if fmt in _WIDE_FORMATS and k % 256 == 0:
         block_k = 256
@@ -139,8 +142,10 @@ def choose_slot_tile(k: int, num_stages: int | None = None, fmt: str | None = No
         block_k = 192
     else:
         block_k = 128 if k % 128 == 0 or _takes_ragged_k(fmt, k) else 64
-    if num_stages is None:
-        num_stages = NUM_STAGES_WIDE if block_k > 128 else NUM_STAGES
+    if num_stages is None and block_k > 128:
+        num_stages = NUM_STAGES_WIDE
+    elif num_stages is None:
+        num_stages = NUM_STAGES_LONG if -(-k // block_k) >= LONG_K_STEPS else NUM_STAGES
     return SlotTile(block_k=block_k, num_stages=num_stages)
 
 
