@@ -193,7 +193,7 @@ def test_compiled_slot_matmul_epilogue(fmt, k, k_splits, bias_dtype):
 
 
 def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, block_k: int | None = None,
-                      bias_dtype=None, num_stages: int = mosaic.NUM_STAGES):
+                      bias_dtype=None, num_stages: int | None = None):
     rng = np.random.default_rng(3)
     n, p = 128, 45  # two 64-row column tiles
     fp8_block = FP8_BLOCK
@@ -205,8 +205,8 @@ def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, block_k: int
                                  [4, 0, 0], [2, 42, 3]]).T, jnp.int32)
     a_dtype = jnp.bfloat16 if fmt is BF16 else jnp.float16
     a = jnp.asarray(rng.standard_normal((window_rows(p), k)), a_dtype)
-    tile = choose_slot_tile(k) if block_k is None else SlotTile(block_k=block_k,
-                                                                 num_stages=num_stages)
+    tile = choose_slot_tile(k, num_stages) if block_k is None else SlotTile(
+        block_k=block_k, num_stages=num_stages or mosaic.NUM_STAGES)
     a_kernel = permute_fp4_activations(a, tile) if fmt in FP4 else a
     fp8_block = fp8_block if fmt is FP8 else None
     epilogue = {}
