@@ -66,54 +66,48 @@ def test_x_rows(block_k, p, h):
     np.testing.assert_array_equal(back, x[full].astype(jnp.float32))  # exact for bf16 rows
 
 
-def _runs_past_one_item(t: int, k: int) -> jax.Array:
-    """Every token's first slot on expert 3 (a run of t rows: t > 16 needs several work
-    items), the second on a zero expert, the others random."""
-    ids = np.array(routing("one_expert", t, k))
-    ids[:, 1] = E
-    return jnp.asarray(ids)
+def check_plan_x_rows(ids, *, num_experts: int = E, rows: int | None = None,
+                      block_k: int | None = None):
+    """plan_x_rows, one launch: make_plan's Pallas plan (work, rows, items; its pairwise program
+    up to 32 pairs, the radix sort past that) and x_rows of its token_of_row (rows past the
+    pairs: token 0's), bit for bit; ``rows`` default: the pairs + 16."""
+    t, k = ids.shape
+    rows = t * k + 16 if rows is None else rows
+    x = spread_rows(jax.random.key(t), t, 256).astype(jnp.bfloat16)
+    plan, (a, factor) = plan_x_rows(x, ids, num_experts, rows, item_rows=16, block_k=block_k,
+                                    interpret=INTERPRET)
+    want = make_plan(ids, num_experts, pallas=True, interpret=INTERPRET, item_rows=16)
+    for name in ("work", "token_of_row", "row_of_pair", "routed", "items"):
+        np.testing.assert_array_equal(getattr(plan, name), getattr(want, name), err_msg=name)
+    want_a, want_f = x_rows(x, want.token_of_row, rows, block_k=block_k, interpret=INTERPRET)
+    np.testing.assert_array_equal(a, want_a)
+    np.testing.assert_array_equal(factor, want_f)
+    return want
 
 
 @pytest.mark.parametrize("pattern", ["random", "repeated", "zero_experts", "all_zero",
                                      "dup_in_token"])
 @pytest.mark.parametrize("t,k,block_k", [(1, 4, None), (3, 3, 64), (4, 8, 128), (6, 6, 64),
                                          (10, 6, None)])  # 36, 60 pairs: the radix plan
-def test_plan_x_rows_is_the_plan_and_the_x_rows(pattern, t, k, block_k, ids=None):
-    """One launch: make_plan's Pallas plan (work, rows, items; its pairwise program up to 32
-    pairs, the radix sort past that) and x_rows of its token_of_row (rows past the pairs: token
-    0's), bit for bit."""
-    h = 256
-    x = spread_rows(jax.random.key(t), t, h).astype(jnp.bfloat16)
-    ids = routing(pattern, t, k) if ids is None else ids
-    rows = t * k + 16
-    plan, (a, factor) = plan_x_rows(x, ids, E, rows, item_rows=16, block_k=block_k,
-                                    interpret=INTERPRET)
-    want = make_plan(ids, E, pallas=True, interpret=INTERPRET, item_rows=16)
-    for name in ("work", "token_of_row", "row_of_pair", "routed", "items"):
-        np.testing.assert_array_equal(getattr(plan, name), getattr(want, name), err_msg=name)
-    want_a, want_f = x_rows(x, want.token_of_row, rows, block_k=block_k, interpret=INTERPRET)
-    np.testing.assert_array_equal(a, want_a)
-    np.testing.assert_array_equal(factor, want_f)
+def test_plan_x_rows_is_the_plan_and_the_x_rows(pattern, t, k, block_k):
+    check_plan_x_rows(routing(pattern, t, k), block_k=block_k)
 
 
 @pytest.mark.parametrize("t,k", [(21, 3), (64, 1)])
 def test_plan_x_rows_runs_of_several_items(t, k):
-    """Runs of 21 / 64 rows (2 / 4 work items of 16 rows) and zero experts."""
-    ids = _runs_past_one_item(t, k) if k > 1 else jnp.full((t, k), 3, jnp.int32)
-    test_plan_x_rows_is_the_plan_and_the_x_rows(None, t, k, 128, ids=ids)
+    """Runs of 21 / 64 rows on expert 3 (2 / 4 work items of 16 rows); at 21 x 3 each token's
+    second slot a zero expert, its third random."""
+    ids = np.array(routing("one_expert", t, k))
+    if k > 1:
+        ids[:, 1] = E
+    check_plan_x_rows(jnp.asarray(ids), block_k=128)
 
 
 def test_plan_x_rows_more_items_than_rows():
     """20 pairs on 20 distinct experts of 128 in 20 rows: more work items (22) than rows."""
-    t, num_experts, rows = 20, 128, 20
-    ids = jnp.asarray(np.random.default_rng(1).permutation(num_experts)[:t, None], jnp.int32)
-    x = spread_rows(jax.random.key(t), t, 128).astype(jnp.bfloat16)
-    plan, (a, _) = plan_x_rows(x, ids, num_experts, rows, item_rows=16, interpret=INTERPRET)
-    want = make_plan(ids, num_experts, pallas=True, interpret=INTERPRET, item_rows=16)
-    assert want.items.shape[1] > rows
-    for name in ("work", "token_of_row", "row_of_pair", "routed", "items"):
-        np.testing.assert_array_equal(getattr(plan, name), getattr(want, name), err_msg=name)
-    np.testing.assert_array_equal(a, x_rows(x, want.token_of_row, rows, interpret=INTERPRET)[0])
+    ids = jnp.asarray(np.random.default_rng(1).permutation(128)[:20, None], jnp.int32)
+    want = check_plan_x_rows(ids, num_experts=128, rows=20)
+    assert want.items.shape[1] > 20
 
 
 def test_row_warps():
