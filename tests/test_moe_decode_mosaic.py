@@ -23,7 +23,7 @@ from jax import export
 
 import atlas_jax as aj
 from atlas_jax.config import ActQuant, Format
-from pallas_kernels.grouped_matmul.config import WeightFormat
+from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout, WeightFormat
 from pallas_kernels.moe_decode import ExtraExperts, make_plan, moe_decode_pairs_reference, mosaic
 from pallas_kernels.moe_decode.kernel import RADIX_PLAN_MAX_PAIRS
 from pallas_kernels.moe_decode.mosaic import (
@@ -38,6 +38,7 @@ from pallas_kernels.moe_decode.mosaic import (
     permute_fp4_activations,
     slot_matmul,
     slot_matmul_reference,
+    slot_mlp,
     window_rows,
     work_items,
 )
@@ -388,6 +389,72 @@ def test_pairs_against_reference(t, k, fmt, variant, patterns):
         assert_pairs_close(out, ref, ids, E)
 
 
+
+FUSED_CASES = [  # (T, k, format, arrays' keywords, variant, routing pattern)
+    (3, 3, FP8, dict(bias=True), dict(activation="silu", limit=0.3), "zero_experts"),
+    (8, 2, FP8, dict(bias=True, inter=192), dict(  # down's K ragged: 128 + 64
+        activation="gpt_oss", gate_up_layout="interleaved", limit=0.5, k_splits=(2, 2)),
+     "dup_in_token"),
+    (33, 2, FP8, dict(), dict(), "one_expert"),  # 33 rows on one expert: three items
+    (3, 3, NVFP4, dict(bias=True), dict(activation="gelu_tanh", k_splits=(3, 1),
+                                        tile=(SlotTile(block_k=64),) * 2), "random"),
+    (8, 2, MXFP4, dict(bias=True), dict(activation="gpt_oss", gate_up_layout="interleaved",
+                                        limit=0.5), "repeated"),
+]
+
+
+@pytest.mark.parametrize("t,k,fmt,arrays_kw,variant,pattern", FUSED_CASES,
+                         ids=[f"T{c[0]}-k{c[1]}-{c[2].value}-{i}"
+                              for i, c in enumerate(FUSED_CASES)])
+def test_fused_launch_equals_three(t, k, fmt, arrays_kw, variant, pattern):
+    """gate_up, h and down in one launch (``slot_mlp``, interpret mode: its programs one after
+    another in grid order, the h program's jnp twin) give the three launches' pairs bit for
+    bit, and the reference's."""
+    kw = arrays(fmt, **arrays_kw)
+    x, ids = x_rows(t), routing(pattern, t, k, seed=3)
+    fused = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=True, **kw, **variant)
+    three = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=False, **kw, **variant)
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(three))
+    variant.pop("k_splits", None), variant.pop("tile", None)
+    ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
+    assert_pairs_close(fused, ref, ids, kw["gate_up"].shape[0])
+
+
+def test_fused_launch_extra_stack_and_bad_inputs():
+    """The shared expert folded in as expert E through the one launch; what it cannot run
+    raises."""
+    kw = arrays(FP8)
+    extra_kw = arrays(FP8, e=1, seed=5)
+    extra = ExtraExperts(**{name: v for name, v in extra_kw.items()
+                            if name not in ("fmt", "block_size")})
+    t = 4
+    x = x_rows(t)
+    ids = jnp.concatenate([routing("random", t, 2), jnp.full((t, 1), E, jnp.int32)], axis=1)
+    fused = moe_decode_mosaic_pairs(x, ids, interpret=True, extra=extra, fused=True, **kw)
+    three = moe_decode_mosaic_pairs(x, ids, interpret=True, extra=extra, fused=False, **kw)
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(three))
+    with pytest.raises(NotImplementedError, match="fused: one launch takes f16 activations"):
+        moe_decode_mosaic_pairs(x, ids[:, :2], interpret=True, fused=True, **arrays(BF16))
+    rows = window_rows(8)
+    work = jnp.zeros((3, 4), jnp.int32)
+    a, factor = jnp.ones((rows, H), jnp.float16), jnp.ones((rows,), jnp.float32)
+    args = (kw["gate_up"], kw["down"], kw["gate_up_scale"], kw["down_scale"])
+    opts = dict(fp8_block=FP8_BLOCK, interpret=True)
+    with pytest.raises(ValueError, match="extra_gate_up, extra_down: both or neither"):
+        slot_mlp(work, a, factor, *args, extra_gate_up=(extra.gate_up, extra.gate_up_scale),
+                 **opts)
+    with pytest.raises(ValueError, match=r"down: expected \[E, 192, 128\]"):
+        slot_mlp(work, a, factor, kw["gate_up"], kw["gate_up"], kw["gate_up_scale"],
+                 kw["gate_up_scale"], **opts)
+    with pytest.raises(ValueError, match=r"a: expected \[R >= 24, 192\] float16"):
+        slot_mlp(work, a.astype(jnp.bfloat16), factor, *args, **opts)
+    with pytest.raises(ValueError, match=r"a_factor: expected \[24\] float32"):
+        slot_mlp(work, a, factor[:8], *args, **opts)
+    with pytest.raises(NotImplementedError, match="slot_mlp: f16 activations"):
+        bf = arrays(BF16)
+        slot_mlp(work, a, factor, bf["gate_up"], bf["down"], interpret=True)
+
+
 def test_choose_k_splits():
     """More programs along K only while the (item, 64-row) programs stay near 4 an SM (1.25x
     slack), keeping >= 2 K steps a program and dividing the steps."""
@@ -584,6 +651,43 @@ class TestLowersForHopper:
         text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
         assert "mosaic_gpu" in text
 
+    @pytest.mark.parametrize("fmt,h,inter,k_splits,variant", [
+        (FP8, 2048, 768, (1, 1), dict()),  # Qwen3-30B-A3B
+        (FP8, 2048, 768, (2, 2), dict(activation="silu", limit=7.0)),
+        (FP8, 2880, 2880, (1, 1), dict(activation="gpt_oss", layout="interleaved", limit=7.0)),
+        (NVFP4, 2048, 768, (2, 1), dict(activation="gelu_tanh")),  # h in the operand order
+        (MXFP4, 2880, 2880, (1, 1), dict(activation="gpt_oss", layout="interleaved",
+                                         limit=7.0)),
+    ], ids=lambda v: getattr(v, "value", v))
+    def test_one_launch_lowers(self, fmt, h, inter, k_splits, variant):
+        """``slot_mlp`` (gate_up, the h programs with their semaphores, down) for the model
+        shapes, with biases."""
+        p, e = 64, 8
+        name = format_name(fmt, None)
+        variant = dict(variant)
+        if "activation" in variant:
+            variant["activation"] = Activation(variant["activation"])
+        if "layout" in variant:
+            variant["layout"] = GateUpLayout(variant["layout"])
+        kw = arrays(fmt, e=e, h=h, inter=inter, bias=True, fp8_block=(128, 128))
+        names = [n for n in ("gate_up", "down", "gate_up_scale", "down_scale",
+                             "gate_up_global_scale", "down_global_scale", "gate_up_bias",
+                             "down_bias") if n in kw]
+        specs = [jax.ShapeDtypeStruct(kw[n].shape, kw[n].dtype) for n in names]
+        rows = window_rows(p)
+        tiles = (choose_slot_tile(h, fmt=name), choose_slot_tile(inter, fmt=name))
+
+        def f(work, a, factor, *arrays_):
+            return slot_mlp(work, a, factor, **dict(zip(names, arrays_, strict=True)), fmt=name,
+                            fp8_block=(128, 128) if fmt is FP8 else None, tiles=tiles,
+                            k_splits=k_splits, **variant)
+
+        args = [jax.ShapeDtypeStruct((3, e + p // ROWS), jnp.int32),
+                jax.ShapeDtypeStruct((rows, h), jnp.float16),
+                jax.ShapeDtypeStruct((rows,), jnp.float32), *specs]
+        text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
+        assert "mosaic_gpu" in text
+
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
 @pytest.mark.parametrize("t", [1, 12, 33])  # 4, 48 and 132 pairs: the plan and x rows in one
@@ -591,10 +695,14 @@ class TestLowersForHopper:
 @pytest.mark.parametrize("fmt,k_splits", [
     (FP8, (1, 1)), (BF16, (1, 1)), (NVFP4, (1, 1)), (MXFP4, (1, 1)), (FP8, (2, 2)),
     (NVFP4, (4, 2)), (MXFP4, (2, 1))], ids=str)
-def test_compiled_on_gpu_against_reference(fmt, k_splits, t):
+@pytest.mark.parametrize("fused", [False, True], ids=["three_launches", "one_launch"])
+def test_compiled_on_gpu_against_reference(fmt, k_splits, t, fused):
     """The compiled kernels (weights in registers) against the reference, rows 1e-3 .. 1e3,
     gpt-oss's interleaved, clamped activation with biases, a zero expert, 128 x 128 blocks;
-    K split over programs."""
+    K split over programs; gate_up, h and down in three launches or one (``slot_mlp``: its
+    semaphores and compiled h program)."""
+    if fused and fmt is BF16:
+        pytest.skip("one launch: f16 activations only")
     e, h, inter, k = 16, 1024, 512, 4
     rng = np.random.default_rng(t)
     kw = arrays(fmt, e=e, h=h, inter=inter, bias=True, seed=1, fp8_block=(128, 128))
@@ -604,7 +712,7 @@ def test_compiled_on_gpu_against_reference(fmt, k_splits, t):
     x = rng.standard_normal((t, h)) * np.logspace(-3, 3, t)[:, None]
     x = jnp.asarray(x.astype(ml_dtypes.bfloat16))
     variant = dict(activation="gpt_oss", gate_up_layout="interleaved")
-    out = moe_decode_mosaic_pairs(x, ids, **kw, **variant, k_splits=k_splits)
+    out = moe_decode_mosaic_pairs(x, ids, **kw, **variant, k_splits=k_splits, fused=fused)
     ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
     assert_pairs_close(out, ref, ids, e, tol=5e-3)
 

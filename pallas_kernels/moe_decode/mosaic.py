@@ -77,14 +77,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, vector
+from jaxlib.mlir.dialects import arith, llvm, vector
+from jaxlib.mlir.dialects import math as mlir_math
 
 from pallas_kernels._dequant import e8m0_step_to_f16, e8m0_to_f32
 from pallas_kernels._device import device_sm_count
+from pallas_kernels._mgpu import gep as _gep
 from pallas_kernels._mgpu import i32 as _i32
 from pallas_kernels._mgpu import load as _load
 from pallas_kernels._mgpu import thread_rows as _thread_rows
 from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout, WeightFormat
+from pallas_kernels.grouped_matmul.kernel import _SQRT_2_OVER_PI
 from pallas_kernels.grouped_matmul.reference import (
     GPT_OSS_ALPHA,
     GPT_OSS_LIMIT,
@@ -194,28 +197,49 @@ def _kernel(
     #   global [E, R] f32; MXFP4: scale [E, N, K/32] u8. Then [row_factor [R] f32], [bias
     #   [E, N] (the main stack's)], out [R, N] f32, [w_stage (interpret mode): [BLOCK_N, bk]
     #   16-bit]
-    tile: SlotTile,
-    fmt: str,  # "bf16" | "fp8" | "nvfp4" | "mxfp4"
-    fp8_block: tuple[int, int] | None,
-    global_rows: int,  # NVFP4: rows sharing one global scale
-    k: int,  # the contraction length (unpacked)
     num_stacks: int,
-    stage_w: bool,
-    k_splits: int,  # programs along K: split s dots steps [s * num_steps, (s + 1) * num_steps)
     row_factor: bool,
     bias: bool,
+    **static,  # _matmul_program's
 ):
-    per_stack = _stack_size(fmt)
+    per_stack = _stack_size(static["fmt"])
     stacks = [rest[i * per_stack:(i + 1) * per_stack] for i in range(num_stacks)]
     rest = list(rest[num_stacks * per_stack:])
     factor_ref = rest.pop(0) if row_factor else None
     bias_ref = rest.pop(0) if bias else None
     o_gmem, *w_stage = rest
+    split = lax.axis_index("s") if static["k_splits"] > 1 else None
+    _matmul_program(work_gmem, a_gmem, stacks, factor_ref, bias_ref, o_gmem,
+                    w_stage[0] if w_stage else None, u=lax.axis_index("w"),
+                    nt=lax.axis_index("n"), split=split, **static)
+
+
+def _matmul_program(
+    work_gmem,  # [3, W] int32 (``_kernel``)
+    a_gmem,  # [R, K] activations (``_kernel``)
+    stacks,  # per stack (main, [extra]): (w, [scale], [global]) (``_kernel``)
+    factor_ref,  # [R] f32 or None
+    bias_ref,  # [E, N] or None (the main stack's)
+    o_gmem,  # [k_splits * R, N] f32
+    w_stage,  # interpret mode: [BLOCK_N, bk] SMEM (the interpreter's wgmma reads A from
+    #   SMEM); compiled: None
+    *,
+    u,  # the work item
+    nt,  # the tile of BLOCK_N output columns
+    split,  # the K split (None: k_splits == 1)
+    tile: SlotTile,
+    fmt: str,  # "bf16" | "fp8" | "nvfp4" | "mxfp4"
+    fp8_block: tuple[int, int] | None,
+    global_rows: int,  # NVFP4: rows sharing one global scale
+    k: int,  # the contraction length (unpacked)
+    k_splits: int,  # programs along K: split s dots steps [s * num_steps, (s + 1) * num_steps)
+):
+    """One program of ``slot_matmul``: item ``u``'s rows through its expert's weight rows
+    ``[nt * BLOCK_N, (nt + 1) * BLOCK_N)``, K split ``split``, stored to ``o_gmem``."""
+    stage_w = w_stage is not None
     w_dtype = stacks[0][0].dtype
     bn, bk = BLOCK_N, tile.block_k
-    u, nt = lax.axis_index("w"), lax.axis_index("n")
     num_steps = num_k_steps(k, tile) // k_splits  # K steps of this program
-    split = lax.axis_index("s") if k_splits > 1 else None
 
     def at(kb):
         """This program's K step ``kb`` -> the step of the whole K."""
@@ -235,9 +259,9 @@ def _kernel(
         from SMEM only) through SMEM."""
         if not stage_w:
             return w
-        w_stage[0][...] = w
+        w_stage[...] = w
         plgpu.commit_smem()
-        return w_stage[0]
+        return w_stage
 
     def operand(w_smem):
         """The weight tile as the wgmma's A operand: [bn, bk] in registers (e4m3 -> f16)."""
@@ -443,7 +467,7 @@ def _kernel(
     def _():
         run(*stacks[0], e=e, bias_ref=bias_ref)
 
-    if num_stacks == 2:  # expert ids from main_experts on name the extra stack's experts
+    if len(stacks) == 2:  # expert ids from main_experts on name the extra stack's experts
         @pl.when((num_rows > 0) & (e >= main_experts))
         def _():
             run(*stacks[1], e=e - main_experts)
@@ -886,45 +910,13 @@ def unsupported_reason(fmt: str, w_dtype, n: int, k: int, *,
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "fp8_block", "tile", "k_splits",
-                                             "sum_splits", "interpret"))
-def slot_matmul(
-    work: jax.Array,  # [3, W] int32: expert (>= E: unused), first sorted row, row count <= 16
-    a: jax.Array,  # [R, K] (activation_dtype), sorted rows; R >= window_rows(P) for items
-    #   over the rows [0, P); FP4: permute_fp4_activations(., tile)
-    w: jax.Array,  # [E, N, K] e4m3 | bf16, or FP4 codes [E, N, K/2] u8
-    scale: jax.Array | None = None,  # FP8: [E, cdiv(N, b0), cdiv(K, b1)] f32; NVFP4:
-    #   [E, N, K/16] e4m3; MXFP4: [E, N, K/32] u8 (E8M0)
-    extra: tuple | None = None,  # (w, scale, global_scale) of a second stack [E2, ...] likewise:
-    #   expert ids E .. E + E2 - 1
-    global_scale: jax.Array | None = None,  # NVFP4: [E, R] f32, row n uses segment n // (N // R)
-    *,
-    row_factor: jax.Array | None = None,  # [R] f32: row r of out times row_factor[r]
-    bias: jax.Array | None = None,  # [E, N] bf16 | f16 | f32: the main stack's rows, added
-    fmt: str | None = None,  # FORMATS; None: from w's dtype (e4m3: fp8, 16-bit: bf16)
-    fp8_block: tuple[int, int] | None = None,
-    tile: SlotTile = SlotTile(),
-    k_splits: int = 1,
-    sum_splits: bool = True,
-    interpret: bool = False,
-) -> jax.Array:
-    """``out [R, N]`` f32 in sorted-row order, row for row with ``a`` (see the module
-    docstring; rows no item owns are not written). Items own rows below ``P`` where ``R >=
-    window_rows(P)`` (every item's window inside ``a``: the caller's contract, data-dependent).
-    The epilogue: ``out[r] = acc[r] * row_factor[r] + bias[e]`` for row r of an item of expert
-    e (the factor undoes the activation rows' scaling into f16; the bias is the main stack's,
-    and the extra stack's rows get none).
-    ``k_splits`` > 1 splits K over that many programs per (item, 64 weight rows), each with its own
-    output rows, summed here (more programs for few tokens; ``sum_splits=False``: returned
-    stacked, ``[k_splits * R, N]``, the bias in split 0's); it must divide ``K / block_k``.
-    ``interpret=True`` runs the Mosaic GPU interpreter (CPU tests)."""
-    if a.ndim != 2 or w.ndim != 3:
-        raise ValueError(f"a, w: expected ranks 2 and 3, got shapes {a.shape}, {w.shape}")
-    if work.ndim != 2 or work.shape[0] != 3:
-        raise ValueError(f"work: expected shape (3, W), got {work.shape}")
-    rows_a = a.shape[0]
-    if rows_a < WINDOW:
-        raise ValueError(f"a: expected at least {WINDOW} rows (one window), got {rows_a}")
+def _stack_operands(w, scale, global_scale, extra, *, fmt, fp8_block, tile: SlotTile,
+                    k_splits: int, interpret: bool):
+    """One launch's weight stacks checked: ``(fmt, N, K, global_rows, operands, pad_k)``, the
+    operands as ``_kernel`` takes them (per stack w, [scale], [global]), ``pad_k`` the
+    interpreter's twin of the TMA's zero fill past K (identity when compiled)."""
+    if w.ndim != 3:
+        raise ValueError(f"w: expected rank 3, got shape {w.shape}")
     fmt = format_name(fmt, w.dtype)
     fp4 = fmt in ("nvfp4", "mxfp4")
     _, n, k = w.shape
@@ -942,10 +934,6 @@ def slot_matmul(
     if not isinstance(k_splits, int) or k_splits < 1 or steps % k_splits:
         raise ValueError(f"k_splits: expected a positive int dividing the {steps} K steps, got "
                          f"{k_splits!r}")
-    want_a = (rows_a, k)
-    if a.shape != want_a or a.dtype != activation_dtype(fmt):
-        raise ValueError(f"a: expected {want_a} {activation_dtype(fmt)}, got {a.shape} "
-                         f"{a.dtype}")
 
     def scale_shape(e):
         match fmt:
@@ -987,6 +975,62 @@ def slot_matmul(
                 raise ValueError(f"{prefix}global_scale: expected [{ws.shape[0]}, "
                                  f"{n // global_rows}] f32")
             operands.append(gs.reshape(ws.shape[0], -1).astype(jnp.float32))
+    return fmt, n, k, global_rows, operands, pad_k
+
+
+def _checked_bias(bias, e: int, n: int):
+    if bias.shape != (e, n) or jnp.dtype(bias.dtype) not in _BIAS_TYPES:
+        raise ValueError(f"bias: expected [{e}, {n}] bfloat16, float16 or float32, "
+                         f"got {bias.shape} {bias.dtype}")
+    return bias
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "fp8_block", "tile", "k_splits",
+                                             "sum_splits", "interpret"))
+def slot_matmul(
+    work: jax.Array,  # [3, W] int32: expert (>= E: unused), first sorted row, row count <= 16
+    a: jax.Array,  # [R, K] (activation_dtype), sorted rows; R >= window_rows(P) for items
+    #   over the rows [0, P); FP4: permute_fp4_activations(., tile)
+    w: jax.Array,  # [E, N, K] e4m3 | bf16, or FP4 codes [E, N, K/2] u8
+    scale: jax.Array | None = None,  # FP8: [E, cdiv(N, b0), cdiv(K, b1)] f32; NVFP4:
+    #   [E, N, K/16] e4m3; MXFP4: [E, N, K/32] u8 (E8M0)
+    extra: tuple | None = None,  # (w, scale, global_scale) of a second stack [E2, ...] likewise:
+    #   expert ids E .. E + E2 - 1
+    global_scale: jax.Array | None = None,  # NVFP4: [E, R] f32, row n uses segment n // (N // R)
+    *,
+    row_factor: jax.Array | None = None,  # [R] f32: row r of out times row_factor[r]
+    bias: jax.Array | None = None,  # [E, N] bf16 | f16 | f32: the main stack's rows, added
+    fmt: str | None = None,  # FORMATS; None: from w's dtype (e4m3: fp8, 16-bit: bf16)
+    fp8_block: tuple[int, int] | None = None,
+    tile: SlotTile = SlotTile(),
+    k_splits: int = 1,
+    sum_splits: bool = True,
+    interpret: bool = False,
+) -> jax.Array:
+    """``out [R, N]`` f32 in sorted-row order, row for row with ``a`` (see the module
+    docstring; rows no item owns are not written). Items own rows below ``P`` where ``R >=
+    window_rows(P)`` (every item's window inside ``a``: the caller's contract, data-dependent).
+    The epilogue: ``out[r] = acc[r] * row_factor[r] + bias[e]`` for row r of an item of expert
+    e (the factor undoes the activation rows' scaling into f16; the bias is the main stack's,
+    and the extra stack's rows get none).
+    ``k_splits`` > 1 splits K over that many programs per (item, 64 weight rows), each with its own
+    output rows, summed here (more programs for few tokens; ``sum_splits=False``: returned
+    stacked, ``[k_splits * R, N]``, the bias in split 0's); it must divide ``K / block_k``.
+    ``interpret=True`` runs the Mosaic GPU interpreter (CPU tests)."""
+    if a.ndim != 2:
+        raise ValueError(f"a: expected rank 2, got shape {a.shape}")
+    if work.ndim != 2 or work.shape[0] != 3:
+        raise ValueError(f"work: expected shape (3, W), got {work.shape}")
+    rows_a = a.shape[0]
+    if rows_a < WINDOW:
+        raise ValueError(f"a: expected at least {WINDOW} rows (one window), got {rows_a}")
+    fmt, n, k, global_rows, operands, pad_k = _stack_operands(
+        w, scale, global_scale, extra, fmt=fmt, fp8_block=fp8_block, tile=tile,
+        k_splits=k_splits, interpret=interpret)
+    want_a = (rows_a, k)
+    if a.shape != want_a or a.dtype != activation_dtype(fmt):
+        raise ValueError(f"a: expected {want_a} {activation_dtype(fmt)}, got {a.shape} "
+                         f"{a.dtype}")
     epilogue = []
     if row_factor is not None:
         if row_factor.shape != (rows_a,) or row_factor.dtype != jnp.float32:
@@ -994,18 +1038,15 @@ def slot_matmul(
                              f"{row_factor.dtype}")
         epilogue.append(row_factor)
     if bias is not None:
-        if bias.shape != (w.shape[0], n) or jnp.dtype(bias.dtype) not in _BIAS_TYPES:
-            raise ValueError(f"bias: expected [{w.shape[0]}, {n}] bfloat16, float16 or float32, "
-                             f"got {bias.shape} {bias.dtype}")
-        epilogue.append(bias)
+        epilogue.append(_checked_bias(bias, w.shape[0], n))
     bn, bk = BLOCK_N, tile.block_k
     stage = [plgpu.SMEM((bn, bk), a.dtype, transforms=_transforms(
         bk * a.dtype.itemsize, a.dtype.itemsize))] if interpret else []
     kernel = plgpu.kernel(
         functools.partial(_kernel, tile=tile, fmt=fmt, fp8_block=fp8_block,
-                          global_rows=global_rows or 0, k=k, num_stacks=len(stacks),
-                          stage_w=interpret, k_splits=k_splits,
-                          row_factor=row_factor is not None, bias=bias is not None),
+                          global_rows=global_rows or 0, k=k, num_stacks=1 + (extra is not None),
+                          k_splits=k_splits, row_factor=row_factor is not None,
+                          bias=bias is not None),
         out_type=jax.ShapeDtypeStruct((k_splits * rows_a, n), jnp.float32),
         # the items on the first axis (CUDA's x: the block scheduler's fastest), so resident
         # CTAs read a few tiles of every expert; tiles first measured 1-3% slower (H200: NOTES)
@@ -1046,6 +1087,396 @@ def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, row_fact
 
 
 # ---------------------------------------------------------------------------------------------
+# One launch for gate_up, h and down (``slot_mlp``).
+# ---------------------------------------------------------------------------------------------
+#
+# A 1-D grid: every gate_up program (item, 64 columns, K split), then ROWS / H_PROGRAM_ROWS h
+# programs an item, then every down program, each range items fastest as ``slot_matmul``'s
+# grid. The GPU starts programs in grid order, so a program only waits for programs started
+# before it: an h program for its item's gate_up programs (a GMEM semaphore each signals once
+# its TMA stores have completed), a down program for its item's h programs. The semaphores
+# (``pl.get_global``: one array for the whole grid) are zero-filled before the launch; the
+# interpreter runs programs one after another in grid order and has none.
+
+FUSE_MLP = False  # moe_decode_mosaic_pairs' default for f16 activations: slot_mlp's one launch
+H_PROGRAM_ROWS = 4  # rows of an h program (a warp each): ROWS / 4 h programs an item
+H_CHUNK = 4  # h columns a lane of the h program takes at a time (16-byte loads)
+H_KEEP_CHUNKS = 0  # chunks a lane keeps in registers between the max and the stores
+FUSED_WAIT = True  # False: the programs skip their waits (wrong results: timing only)
+FUSED_ITEMS_FIRST = False  # each phase's programs items fastest, else an item's together
+
+
+def _h_program_jnp(gu_ref, h_ref, hf_ref, first, count, *, splits: int, rows: int,
+                   layout: GateUpLayout, activation: Activation, limit, alpha: float,
+                   block_k: int | None):
+    """Interpret mode's ``_h_program_inline``: the same rows by jnp (``rows.h_rows``' math);
+    ``h_ref``'s columns past I (the interpreter's padding to whole K steps) get zeros."""
+    inter, n = gu_ref.shape[1] // 2, H_PROGRAM_ROWS
+    gu = gu_ref[pl.ds(first, n), :]
+    for s in range(1, splits):
+        gu = gu + gu_ref[pl.ds(s * rows + first, n), :]
+    if layout is GateUpLayout.INTERLEAVED:
+        gate, up = gu[:, 0::2], gu[:, 1::2]
+    else:
+        gate, up = gu[:, :inter], gu[:, inter:]
+    h = row_launches._round_to_bf16(_epilogue(gate, up, activation, limit, alpha))
+    new, factor = row_launches.rows_reference(h, block_k)
+    new = jnp.pad(new, ((0, 0), (0, h_ref.shape[1] - inter)))
+    valid = jnp.arange(n) < count
+    h_ref[pl.ds(first, n), :] = jnp.where(valid[:, None], new, h_ref[pl.ds(first, n), :])
+    hf_ref[pl.ds(first, n)] = jnp.where(valid, factor, hf_ref[pl.ds(first, n)])
+
+
+def _f32c(v):
+    return arith.constant(ir.F32Type.get(), float(v))
+
+
+def _act_mlir(g, u, activation: Activation, limit, alpha: float):
+    """``_epilogue`` on f32 scalars (MLIR values), in its order of operations."""
+
+    def sigmoid(v):
+        one = _f32c(1.0)
+        return arith.divf(one, arith.addf(one, mlir_math.exp(arith.negf(v))))
+
+    def clip(v, lo, hi):
+        return arith.minimumf(arith.maximumf(v, _f32c(lo)), _f32c(hi))
+
+    match activation:
+        case Activation.SILU:
+            if limit is not None:
+                g, u = arith.minimumf(g, _f32c(limit)), clip(u, -limit, limit)
+            return arith.mulf(arith.mulf(g, sigmoid(g)), u)
+        case Activation.GELU_TANH:
+            cube = arith.mulf(arith.mulf(_f32c(0.044715), g), arith.mulf(g, g))
+            inner = arith.mulf(_f32c(_SQRT_2_OVER_PI), arith.addf(g, cube))
+            half = arith.mulf(_f32c(0.5), g)
+            return arith.mulf(arith.mulf(half, arith.addf(_f32c(1.0), mlir_math.tanh(inner))), u)
+        case Activation.GPT_OSS:
+            g, u = arith.minimumf(g, _f32c(limit)), clip(u, -limit, limit)
+            return arith.mulf(arith.mulf(arith.addf(u, _f32c(1.0)), g),
+                              sigmoid(arith.mulf(_f32c(alpha), g)))
+    raise NotImplementedError(activation)
+
+
+def _operand_source_mlir(pos, block_k: int):
+    """``rows.operand_source`` on an i32 MLIR value."""
+
+    def div(v, d):
+        return arith.divui(v, _i32(d))
+
+    def rem(v, d):
+        return arith.remui(v, _i32(d))
+
+    step, q = arith.muli(div(pos, block_k), _i32(block_k)), rem(pos, block_k)
+    o, within = div(q, 16), rem(q, 16)
+    terms = [step, arith.muli(div(rem(within, 8), 2), _i32(block_k // 4)),
+             arith.muli(div(o, 2), _i32(8)), arith.muli(div(within, 8), _i32(4)),
+             arith.muli(rem(within, 2), _i32(2)), rem(o, 2)]
+    return functools.reduce(arith.addi, terms)
+
+
+def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, *, splits: int, rows: int,
+                      layout: GateUpLayout, activation: Activation, limit, alpha: float,
+                      block_k: int | None):
+    """An h program (one warpgroup, a warp a row): sorted rows ``[first, first + count)``
+    (``count <= H_PROGRAM_ROWS``; warps past it idle) of the gate_up output ``gu_ref [splits *
+    R, 2I]`` f32 (K-split partials summed) -> ``act(gate) * up`` rounded to bf16, scaled by a
+    power of two into f16 (``rows._store_scaled``) into ``h_ref [R, I]``, the factor into
+    ``hf_ref [R]``. A lane takes 16-byte chunks ``lane, lane + 32, ...`` of the row's columns,
+    loaded straight from global memory (L2; no SMEM), all in flight at once; the row's max |h|
+    by shuffles. The values stay in registers up to ``H_KEEP_CHUNKS`` chunks a lane (else a
+    second pass recomputes them). FP4 (``block_k``): the columns in the operand order, each
+    h column's gate and up by scalar loads."""
+    inter = gu_ref.shape[1] // 2
+    per = H_CHUNK  # h columns a chunk
+    chunks = inter // per  # a row's
+    lane_chunks = -(-chunks // 32)
+    keep = lane_chunks <= H_KEEP_CHUNKS
+    interleaved = layout is GateUpLayout.INTERLEAVED
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
+                                  plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))
+    def program(_, gu, h, hf, first_, count_):
+        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+        f32x4 = ir.VectorType.get((4,), f32)
+        tid = arith.remui(mgpu.utils.thread_idx(), _i32(128))
+        warp, lane = arith.divui(tid, _i32(32)), arith.remui(tid, _i32(32))
+        row = arith.addi(first_.registers.item(), warp)
+        gu_ptr, h_ptr, hf_ptr = (mgpu.utils.memref_ptr(v) for v in (gu, h, hf))
+        bases = [arith.muli(arith.addi(row, _i32(s * rows)), _i32(2 * inter * 4))
+                 for s in range(splits)]
+
+        def scalar(v, j):
+            return vector.extract(v, dynamic_position=[],
+                                  static_position=ir.DenseI64ArrayAttr.get([j]))
+
+        def summed(col, ty):  # the K-split partials' sum at column col (i32) of the row
+            at = arith.muli(col, _i32(4))
+            vals = [_load(gu_ptr, arith.addi(b, at), ty) for b in bases]
+            return functools.reduce(arith.addf, vals)
+
+        def h_values(i):
+            """(first column, the lane's ``per`` h values (f32, rounded to bf16), in range) of
+            its chunk i (columns past the row: chunk 0's, out of range)."""
+            c = arith.addi(lane, _i32(32 * i))
+            ok = arith.cmpi(arith.CmpIPredicate.ult, c, _i32(chunks))
+            if (i + 1) * 32 <= chunks:  # every lane's chunk in range
+                ok = None
+            else:
+                c = arith.select(ok, c, _i32(0))
+            pos0 = arith.muli(c, _i32(per))
+            if block_k is None and not interleaved:
+                g4, u4 = summed(pos0, f32x4), summed(arith.addi(pos0, _i32(inter)), f32x4)
+                pairs = [(scalar(g4, j), scalar(u4, j)) for j in range(per)]
+            elif block_k is None:  # gate and up alternate: two 16-byte loads
+                v = [summed(arith.addi(arith.muli(pos0, _i32(2)), _i32(4 * half)), f32x4)
+                     for half in range(2)]
+                pairs = [(scalar(v[j // 2], 2 * (j % 2)), scalar(v[j // 2], 2 * (j % 2) + 1))
+                         for j in range(per)]
+            else:
+                pairs = []
+                for j in range(per):
+                    src = _operand_source_mlir(arith.addi(pos0, _i32(j)), block_k)
+                    two = arith.muli(src, _i32(2))
+                    cols = ((two, arith.addi(two, _i32(1))) if interleaved
+                            else (src, arith.addi(src, _i32(inter))))
+                    pairs.append(tuple(summed(col, f32) for col in cols))
+            vals = [arith.extf(f32, arith.truncf(ir.BF16Type.get(), _act_mlir(
+                g, u, activation, limit, alpha))) for g, u in pairs]
+            return pos0, vals, ok
+
+        kept = [h_values(i) for i in range(lane_chunks)] if keep else None
+        amax = _f32c(0.0)
+        for i in range(lane_chunks):
+            _, vals, ok = kept[i] if keep else h_values(i)
+            for v in vals:
+                a = mlir_math.absf(v)
+                amax = arith.maximumf(amax, a if ok is None else arith.select(ok, a, _f32c(0)))
+        for d in (16, 8, 4, 2, 1):  # the row's lanes
+            amax = arith.maximumf(amax, mgpu.utils.shfl_bfly(amax, d))
+        # rows._store_scaled's powers of two (paged_attention.decode._pow2_row_scales)
+        e = arith.andi(arith.shrui(arith.bitcast(i32, amax), _i32(23)), _i32(0xFF))
+        e = arith.minsi(arith.maxsi(e, _i32(11)), _i32(254))
+        up = arith.bitcast(f32, arith.shli(arith.subi(_i32(264), e), _i32(23)))
+        down = arith.bitcast(f32, arith.shli(arith.subi(e, _i32(10)), _i32(23)))
+        with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.ult, warp, count_.registers.item())):
+            for i in range(lane_chunks):
+                pos0, vals, ok = kept[i] if keep else h_values(i)
+                f16 = [arith.truncf(ir.F16Type.get(), arith.mulf(v, up)) for v in vals]
+                packed = vector.from_elements(ir.VectorType.get((per,), ir.F16Type.get()), f16)
+                at = arith.muli(arith.addi(arith.muli(row, _i32(inter)), pos0), _i32(2))
+                if ok is None:
+                    llvm.store(packed, _gep(h_ptr, at))
+                else:
+                    with mgpu.utils.when(ok):
+                        llvm.store(packed, _gep(h_ptr, at))
+            with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.eq, lane, _i32(0))):
+                llvm.store(down, _gep(hf_ptr, arith.muli(row, _i32(4))))
+        mgpu.utils.warpgroup_barrier()  # every thread's stores before the caller's release
+
+    program(gu_ref, h_ref, hf_ref, jnp.asarray(first, jnp.int32),
+            jnp.asarray(count, jnp.int32))
+
+
+def _proxy_fence():
+    """``fence.proxy.async.global`` then a warpgroup barrier: the generic and the async (TMA)
+    proxy agree on global memory, for every thread, before a release or after an acquire."""
+
+    @plgpu.inline_mgpu()
+    def fence(_):
+        mgpu.utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+        mgpu.utils.warpgroup_barrier()
+
+    fence()
+
+
+def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
+                  gate_up_bias: bool, down_bias: bool, sync: bool, gate_up: dict, down: dict,
+                  h_program: dict):
+    """``slot_mlp``'s launch (see the comment above). ``rest``: the gate_up stacks, the down
+    stacks (``_kernel``'s), [gate_up bias], [down bias]; out gu [S_gu * R, 2I] f32, h [R, I]
+    f16, h factor [R] f32, y [S_down * R, H] f32; [w stages (interpret: gate_up's, down's)]."""
+    per = _stack_size(fmt) * num_stacks
+    gu_stacks, rest = rest[:per], list(rest[per:])
+    down_stacks, rest = rest[:per], rest[per:]
+    gu_bias = rest.pop(0) if gate_up_bias else None
+    dn_bias = rest.pop(0) if down_bias else None
+    gu_o, h_o, hf_o, y_o, *stages = rest
+    stages = stages or (None, None)
+    size = _stack_size(fmt)
+
+    def split_stacks(flat):
+        return [flat[i * size:(i + 1) * size] for i in range(num_stacks)]
+
+    w = work_gmem.shape[1]
+    nt_gu, nt_down = gu_o.shape[1] // BLOCK_N, y_o.shape[1] // BLOCK_N
+    n_gu = w * nt_gu * gate_up["k_splits"]
+    h_parts = ROWS // H_PROGRAM_ROWS  # h programs an item
+    # [2, W], shared by every program (a scratch semaphore would be a program's own), zero-filled
+    # before each launch (Pallas' GMEM scratch; the counts are not taken back)
+    sems = pl.get_global(plgpu.SemaphoreType.REGULAR((2, w))) if sync else None
+    pid = lax.axis_index("p")
+
+    def coords(q, tiles, splits):
+        """Program ``q`` of a phase -> (item, tile, split): ``FUSED_ITEMS_FIRST``, items
+        fastest (as ``slot_matmul``'s grid), else an item's programs one after another."""
+        if FUSED_ITEMS_FIRST:
+            rest = lax.div(q, w)
+            return (lax.rem(q, w), lax.rem(rest, tiles),
+                    lax.div(rest, tiles) if splits > 1 else None)
+        rest = lax.div(q, tiles)
+        return (lax.div(rest, splits), lax.rem(q, tiles),
+                lax.rem(rest, splits) if splits > 1 else None)
+
+    @pl.when(pid < n_gu)
+    def _():
+        u, nt, split = coords(pid, nt_gu, gate_up["k_splits"])
+        _matmul_program(work_gmem, a_gmem, split_stacks(gu_stacks), a_factor, gu_bias, gu_o,
+                        stages[0], u=u, nt=nt, split=split, fmt=fmt, **gate_up)
+        if sync:
+            @pl.when(work_gmem[2, u] > 0)
+            def _():
+                _proxy_fence()  # the TMA stores completed (wait_smem_to_gmem(0)): visible
+                plgpu.semaphore_signal(sems.at[0, u], 1, memory_scope="gpu")
+
+    @pl.when((pid >= n_gu) & (pid < n_gu + h_parts * w))
+    def _():
+        u, part, _ = coords(pid - n_gu, h_parts, 1)
+        first = work_gmem[1, u] + part * H_PROGRAM_ROWS
+        count = jnp.minimum(jnp.maximum(work_gmem[2, u] - part * H_PROGRAM_ROWS, 0),
+                            H_PROGRAM_ROWS)
+
+        @pl.when(count > 0)
+        def _():
+            if not sync:
+                _h_program_jnp(gu_o, h_o, hf_o, first, count, **h_program)
+                return
+            if FUSED_WAIT:
+                plgpu.semaphore_wait(sems.at[0, u], nt_gu * gate_up["k_splits"],
+                                     decrement=False, memory_scope="gpu")
+            _proxy_fence()
+            _h_program_inline(gu_o, h_o, hf_o, first, count, **h_program)
+
+        if sync:  # every part of a used item, rows or not
+            @pl.when(work_gmem[2, u] > 0)
+            def _():
+                plgpu.semaphore_signal(sems.at[1, u], 1, memory_scope="gpu")
+
+    @pl.when(pid >= n_gu + h_parts * w)
+    def _():
+        u, nt, split = coords(pid - n_gu - h_parts * w, nt_down, down["k_splits"])
+        if sync:
+            @pl.when(work_gmem[2, u] > 0)
+            def _():
+                if FUSED_WAIT:
+                    plgpu.semaphore_wait(sems.at[1, u], h_parts, decrement=False,
+                                         memory_scope="gpu")
+                _proxy_fence()  # h's generic stores before the TMA loads
+
+        _matmul_program(work_gmem, h_o, split_stacks(down_stacks), hf_o, dn_bias, y_o,
+                        stages[1], u=u, nt=nt, split=split, fmt=fmt, **down)
+
+
+_MLP_STATIC = ("fmt", "fp8_block", "tiles", "k_splits", "activation", "layout", "limit",
+               "alpha", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_MLP_STATIC)
+def slot_mlp(
+    work: jax.Array,  # [3, W] int32 (slot_matmul's)
+    a: jax.Array,  # [R, H] f16: x's rows scaled (rows.x_rows; FP4: gate_up's operand order)
+    a_factor: jax.Array,  # [R] f32
+    gate_up: jax.Array,  # [E, 2I, H] e4m3 | FP4 codes [E, 2I, H/2] u8
+    down: jax.Array,  # [E, H, I] likewise
+    gate_up_scale: jax.Array | None = None,  # slot_matmul's scale of each
+    down_scale: jax.Array | None = None,
+    gate_up_global_scale: jax.Array | None = None,  # NVFP4
+    down_global_scale: jax.Array | None = None,
+    *,
+    extra_gate_up: tuple | None = None,  # (w, scale, global_scale) of a second stack
+    extra_down: tuple | None = None,
+    gate_up_bias: jax.Array | None = None,  # [E, 2I] (the main stack's)
+    down_bias: jax.Array | None = None,  # [E, H]
+    fmt: str | None = None,
+    fp8_block: tuple[int, int] | None = None,
+    tiles: tuple[SlotTile, SlotTile] = (SlotTile(), SlotTile()),  # (gate_up, down)
+    k_splits: tuple[int, int] = (1, 1),
+    activation: Activation = Activation.SILU,
+    layout: GateUpLayout = GateUpLayout.CONCATENATED,
+    limit: float | None = None,
+    alpha: float = GPT_OSS_ALPHA,
+    interpret: bool = False,
+) -> jax.Array:
+    """``slot_matmul`` (gate_up, x's factors and bias in its epilogue) -> ``rows.h_rows`` ->
+    ``slot_matmul`` (down) in one launch: ``[k_splits[1] * R, H]`` f32, the down launch's
+    stacked output (rows no item owns: not written). f16 activations only (FP8, NVFP4,
+    MXFP4)."""
+    if a.ndim != 2 or work.ndim != 2 or work.shape[0] != 3:
+        raise ValueError(f"a, work: expected [R, H] and [3, W], got {a.shape}, {work.shape}")
+    rows = a.shape[0]
+    gu_fmt, two_i, hidden, gu_global_rows, gu_ops, gu_pad = _stack_operands(
+        gate_up, gate_up_scale, gate_up_global_scale, extra_gate_up, fmt=fmt,
+        fp8_block=fp8_block, tile=tiles[0], k_splits=k_splits[0], interpret=interpret)
+    fmt, n_down, inter, down_global_rows, down_ops, _ = _stack_operands(
+        down, down_scale, down_global_scale, extra_down, fmt=gu_fmt, fp8_block=fp8_block,
+        tile=tiles[1], k_splits=k_splits[1], interpret=interpret)
+    if activation_dtype(fmt) != jnp.float16:
+        raise NotImplementedError(f"slot_mlp: f16 activations (FP8, NVFP4, MXFP4), not {fmt}")
+    if (extra_gate_up is None) != (extra_down is None):
+        raise ValueError("extra_gate_up, extra_down: both or neither")
+    if two_i != 2 * inter or n_down != hidden:
+        raise ValueError(f"down: expected [E, {hidden}, {two_i // 2}] (logical), got "
+                         f"[E, {n_down}, {inter}]")
+    if a.shape != (rows, hidden) or a.dtype != jnp.float16 or rows < WINDOW:
+        raise ValueError(f"a: expected [R >= {WINDOW}, {hidden}] float16, got {a.shape} "
+                         f"{a.dtype}")
+    if a_factor.shape != (rows,) or a_factor.dtype != jnp.float32:
+        raise ValueError(f"a_factor: expected [{rows}] float32, got {a_factor.shape} "
+                         f"{a_factor.dtype}")
+    biases = []
+    for name, b, n in (("gate_up_bias", gate_up_bias, two_i), ("down_bias", down_bias, hidden)):
+        if b is not None:
+            if extra_gate_up is not None:
+                raise ValueError(f"{name}: the extra stack takes no biases")
+            biases.append(_checked_bias(b, gate_up.shape[0], n))
+    fp4 = fmt in _WIDE_FORMATS
+    # interpret mode: h's columns padded to whole K steps (the TMA's zero fill past K)
+    h_cols = num_k_steps(inter, tiles[1]) * tiles[1].block_k if interpret else inter
+    work_items_ = work.shape[1]
+    splits_gu, splits_down = k_splits
+    programs = work_items_ * (two_i // BLOCK_N * splits_gu + ROWS // H_PROGRAM_ROWS
+                              + hidden // BLOCK_N * splits_down)
+    scratch = [plgpu.SMEM((BLOCK_N, t.block_k), jnp.float16, transforms=_transforms(
+        2 * t.block_k, 2)) for t in tiles] if interpret else []
+    common = dict(fp8_block=fp8_block)
+    kernel = plgpu.kernel(
+        functools.partial(
+            _fused_kernel, num_stacks=1 + (extra_gate_up is not None), fmt=fmt,
+            gate_up_bias=gate_up_bias is not None, down_bias=down_bias is not None,
+            sync=not interpret,
+            gate_up=dict(common, tile=tiles[0], global_rows=gu_global_rows or 0, k=hidden,
+                         k_splits=splits_gu),
+            down=dict(common, tile=tiles[1], global_rows=down_global_rows or 0, k=inter,
+                      k_splits=splits_down),
+            h_program=dict(splits=splits_gu, rows=rows, layout=layout, activation=activation,
+                           limit=limit, alpha=alpha,
+                           block_k=tiles[1].block_k if fp4 else None)),
+        out_type=(jax.ShapeDtypeStruct((splits_gu * rows, two_i), jnp.float32),
+                  jax.ShapeDtypeStruct((rows, h_cols), jnp.float16),
+                  jax.ShapeDtypeStruct((rows,), jnp.float32),
+                  jax.ShapeDtypeStruct((splits_down * rows, hidden), jnp.float32)),
+        grid=(programs,),
+        grid_names=("p",),
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    *_, y = kernel(work, gu_pad(a), a_factor, *gu_ops, *down_ops, *biases)
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
 # The full decode step: chunked plan, two launches, XLA glue.
 # ---------------------------------------------------------------------------------------------
 
@@ -1075,7 +1506,7 @@ def work_items(plan: DecodePlan, num_experts: int) -> jax.Array:
 
 
 _MOSAIC_STATIC = ("fmt", "activation", "gate_up_layout", "limit", "alpha", "block_size", "tile",
-                  "k_splits", "interpret")
+                  "k_splits", "fused", "interpret")
 _FMT_NAMES = {WeightFormat.BF16: "bf16", WeightFormat.FP8_BLOCK: "fp8",
               WeightFormat.NVFP4: "nvfp4", WeightFormat.MXFP4: "mxfp4"}
 
@@ -1119,6 +1550,8 @@ def moe_decode_mosaic_pairs(
     tile: tuple[SlotTile, SlotTile] | None = None,  # (gate_up, down); None: choose_slot_tile
     k_splits: tuple[int, int] | str = "auto",  # (gate_up, down) K splits; "auto":
     #   choose_k_splits
+    fused: bool | None = None,  # gate_up, h and down in one launch (slot_mlp; f16
+    #   activations); None: FUSE_MLP for f16 activations
     interpret: bool = False,
     extra: ExtraExperts | None = None,  # a second stack: expert ids E .. E + E2 - 1
 ) -> jax.Array:
@@ -1144,6 +1577,11 @@ def moe_decode_mosaic_pairs(
         raise ValueError(f"down: expected shape {(e, hidden, inter // packed)}, got "
                          f"{down.shape}")
     fp8_block = tuple(block_size) if fmt == "fp8" else None
+    if fused is None:
+        fused = FUSE_MLP and fmt != "bf16"
+    elif fused and fmt == "bf16":
+        raise NotImplementedError("fused: one launch takes f16 activations (FP8, NVFP4, MXFP4), "
+                                  "not BF16 weights")
     e_all = e
     if extra is not None:
         if not isinstance(extra, ExtraExperts):
@@ -1201,6 +1639,21 @@ def moe_decode_mosaic_pairs(
         # GPU excess-precision rule (grouped_matmul.reference.rounded)
         h = rounded(_epilogue(gate, up, activation, limit, alpha), jnp.bfloat16)  # [R, I]
         h, factor = h.astype(jnp.bfloat16), None
+    elif fused:  # f16 rows; gate_up, h and down in one launch
+        a, factor = x16 or x_rows(x, plan.token_of_row, rows, block_k=order(tile[0]),
+                                  interpret=interpret)
+        xd = None if extra is None else (extra.down, extra.down_scale, extra.down_global_scale)
+        if gate_up_bias is not None and jnp.dtype(gate_up_bias.dtype) not in _BIAS_TYPES:
+            gate_up_bias = gate_up_bias.astype(jnp.float32)
+        if down_bias is not None and jnp.dtype(down_bias.dtype) not in _BIAS_TYPES:
+            down_bias = down_bias.astype(jnp.float32)
+        y = slot_mlp(work, a, factor, gate_up, down, gate_up_scale, down_scale,
+                     gate_up_global_scale, down_global_scale, extra_gate_up=xs,
+                     extra_down=xd, gate_up_bias=gate_up_bias, down_bias=down_bias, fmt=fmt,
+                     fp8_block=fp8_block, tiles=tuple(tile), k_splits=tuple(k_splits),
+                     activation=activation, layout=layout, limit=limit, alpha=alpha,
+                     interpret=interpret)
+        return pairs_of(y.reshape(k_splits[1], rows, hidden), plan)
     else:  # f16 rows scaled per row (rows.py: one launch each)
         a, factor = x16 or x_rows(x, plan.token_of_row, rows, block_k=order(tile[0]),
                                   interpret=interpret)
