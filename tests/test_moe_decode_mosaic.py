@@ -403,6 +403,20 @@ FUSED_CASES = [  # (T, k, format, arrays' keywords, variant, routing pattern)
 ]
 
 
+@pytest.mark.parametrize("rows", [4, 16])
+def test_fused_launch_h_program_rows(monkeypatch, rows):
+    """The interpreter's h programs of 4 and 16 rows (``H_PROGRAM_ROWS``) give the same pairs
+    as the three launches."""
+    monkeypatch.setattr(mosaic, "H_PROGRAM_ROWS", rows)
+    jax.clear_caches()  # read at trace time
+    kw = arrays(FP8, bias=True)
+    x, ids = x_rows(5), routing("repeated", 5, 4, seed=2)
+    fused = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=True, **kw)
+    three = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=False, **kw)
+    jax.clear_caches()
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(three))
+
+
 @pytest.mark.parametrize("t,k,fmt,arrays_kw,variant,pattern", FUSED_CASES,
                          ids=[f"T{c[0]}-k{c[1]}-{c[2].value}-{i}"
                               for i, c in enumerate(FUSED_CASES)])
@@ -660,6 +674,27 @@ class TestLowersForHopper:
                                          limit=7.0)),
     ], ids=lambda v: getattr(v, "value", v))
     def test_one_launch_lowers(self, fmt, h, inter, k_splits, variant):
+        self.lower_one_launch(fmt, h, inter, k_splits, variant)
+
+    @pytest.mark.parametrize("rows,chunk,keep", [(4, 4, 8), (2, 4, 0), (16, 2, 8), (4, 4, 0)])
+    @pytest.mark.parametrize("fmt", [FP8, MXFP4], ids=lambda v: v.value)
+    def test_h_program_variants_lower(self, monkeypatch, fmt, rows, chunk, keep):
+        """The h program's variants (rows a program: a row over several warps takes an SMEM
+        step; 8- or 16-byte chunks; values kept or recomputed) for Qwen3's and gpt-oss's
+        rows."""
+        for name, value in (("H_PROGRAM_ROWS", rows), ("H_CHUNK", chunk),
+                            ("H_KEEP_CHUNKS", keep)):
+            monkeypatch.setattr(mosaic, name, value)
+        jax.clear_caches()  # the constants are read at trace time
+        if fmt is FP8:
+            self.lower_one_launch(FP8, 2048, 768, (1, 1), {})
+        else:
+            self.lower_one_launch(MXFP4, 2880, 2880, (1, 1), dict(
+                activation="gpt_oss", layout="interleaved", limit=7.0))
+        jax.clear_caches()
+
+    @staticmethod
+    def lower_one_launch(fmt, h, inter, k_splits, variant):
         """``slot_mlp`` (gate_up, the h programs with their semaphores, down) for the model
         shapes, with biases."""
         p, e = 64, 8
@@ -703,7 +738,12 @@ def test_compiled_on_gpu_against_reference(fmt, k_splits, t, fused):
     semaphores and compiled h program)."""
     if fused and fmt is BF16:
         pytest.skip("one launch: f16 activations only")
-    e, h, inter, k = 16, 1024, 512, 4
+    check_compiled(fmt, k_splits, t, fused, inter=512)
+
+
+def check_compiled(fmt, k_splits, t: int, fused: bool, *, inter: int,
+                   variant=(("activation", "gpt_oss"), ("gate_up_layout", "interleaved"))):
+    e, h, k = 16, 1024, 4
     rng = np.random.default_rng(t)
     kw = arrays(fmt, e=e, h=h, inter=inter, bias=True, seed=1, fp8_block=(128, 128))
     ids = np.stack([rng.permutation(e)[:k] for _ in range(t)])
@@ -711,10 +751,27 @@ def test_compiled_on_gpu_against_reference(fmt, k_splits, t, fused):
     ids = jnp.asarray(ids, jnp.int32)
     x = rng.standard_normal((t, h)) * np.logspace(-3, 3, t)[:, None]
     x = jnp.asarray(x.astype(ml_dtypes.bfloat16))
-    variant = dict(activation="gpt_oss", gate_up_layout="interleaved")
+    variant = dict(variant)
     out = moe_decode_mosaic_pairs(x, ids, **kw, **variant, k_splits=k_splits, fused=fused)
     ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
     assert_pairs_close(out, ref, ids, e, tol=5e-3)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
+@pytest.mark.parametrize("rows,chunk,keep", [(1, 4, 16), (2, 2, 0), (4, 4, 8), (16, 2, 16)])
+@pytest.mark.parametrize("fmt,inter,variant", [
+    (FP8, 448, ()),  # SiLU, concatenated; rows of 448: chunks past the row's end
+    (MXFP4, 512, (("activation", "gpt_oss"), ("gate_up_layout", "interleaved")))],
+    ids=["fp8", "mxfp4"])
+def test_compiled_h_program_variants_on_gpu(monkeypatch, rows, chunk, keep, fmt, inter,
+                                            variant):
+    """The one launch's compiled h program in its shapes (rows a program: a row over several
+    warps takes an SMEM step; 8- or 16-byte chunks; values kept or recomputed)."""
+    for name, value in (("H_PROGRAM_ROWS", rows), ("H_CHUNK", chunk), ("H_KEEP_CHUNKS", keep)):
+        monkeypatch.setattr(mosaic, name, value)
+    jax.clear_caches()  # read at trace time
+    check_compiled(fmt, (1, 1), 12, True, inter=inter, variant=variant)
+    jax.clear_caches()
 
 
 def test_pairs_k_splits_auto_and_bad_values():

@@ -1099,9 +1099,14 @@ def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, row_fact
 # interpreter runs programs one after another in grid order and has none.
 
 FUSE_MLP = False  # moe_decode_mosaic_pairs' default for f16 activations: slot_mlp's one launch
-H_PROGRAM_ROWS = 4  # rows of an h program (a warp each): ROWS / 4 h programs an item
-H_CHUNK = 4  # h columns a lane of the h program takes at a time (16-byte loads)
-H_KEEP_CHUNKS = 0  # chunks a lane keeps in registers between the max and the stores
+# The h program's shape. ptxas (sm_90a, offline) counts for Qwen3 FP8 the launch's registers a
+# thread: 92 at 1 or 2 rows a program (the slot_matmul kernels alone: 88 / 89), 120 at 4 rows
+# (16-byte chunks kept: 4 CTAs an SM on the H200, measured), 133 at 4 rows recomputed, 254 at
+# 16; NVFP4 121 (its kernels alone 121), gpt-oss MXFP4 125 at 1 row (124 alone), 187 at 2
+# (NOTES, session 23).
+H_PROGRAM_ROWS = 1  # rows of an h program (1, 2, 4, 8 or 16): ROWS / H_PROGRAM_ROWS an item
+H_CHUNK = 2  # h columns a thread of the h program loads at a time (2 or 4: 8- or 16-byte loads)
+H_KEEP_CHUNKS = 16  # chunks a thread keeps in registers between the max and the stores
 FUSED_WAIT = True  # False: the programs skip their waits (wrong results: timing only)
 FUSED_ITEMS_FIRST = False  # each phase's programs items fastest, else an item's together
 
@@ -1175,34 +1180,39 @@ def _operand_source_mlir(pos, block_k: int):
     return functools.reduce(arith.addi, terms)
 
 
-def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, *, splits: int, rows: int,
-                      layout: GateUpLayout, activation: Activation, limit, alpha: float,
-                      block_k: int | None):
-    """An h program (one warpgroup, a warp a row): sorted rows ``[first, first + count)``
-    (``count <= H_PROGRAM_ROWS``; warps past it idle) of the gate_up output ``gu_ref [splits *
-    R, 2I]`` f32 (K-split partials summed) -> ``act(gate) * up`` rounded to bf16, scaled by a
-    power of two into f16 (``rows._store_scaled``) into ``h_ref [R, I]``, the factor into
-    ``hf_ref [R]``. A lane takes 16-byte chunks ``lane, lane + 32, ...`` of the row's columns,
-    loaded straight from global memory (L2; no SMEM), all in flight at once; the row's max |h|
-    by shuffles. The values stay in registers up to ``H_KEEP_CHUNKS`` chunks a lane (else a
-    second pass recomputes them). FP4 (``block_k``): the columns in the operand order, each
-    h column's gate and up by scalar loads."""
+def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, splits: int,
+                      rows: int, layout: GateUpLayout, activation: Activation, limit,
+                      alpha: float, block_k: int | None):
+    """An h program (one warpgroup, ``128 / H_PROGRAM_ROWS`` threads a row): sorted rows
+    ``[first, first + count)`` (``count <= H_PROGRAM_ROWS``; the threads of rows past it only
+    join the barriers) of the gate_up output ``gu_ref [splits * R, 2I]`` f32 (K-split partials
+    summed) -> ``act(gate) * up`` rounded to bf16, scaled by a power of two into f16
+    (``rows._store_scaled``) into ``h_ref [R, I]``, the factor into ``hf_ref [R]``. A row's
+    thread ``t`` takes chunks of ``H_CHUNK`` columns ``t, t + lanes, ...``, loaded straight from
+    global memory (L2; no SMEM), all in flight at once; the row's max |h| by shuffles (and,
+    rows wider than a warp, through ``red_ref [4]`` f32 SMEM). The values stay in registers
+    up to ``H_KEEP_CHUNKS`` chunks a thread (else a second pass recomputes them). FP4
+    (``block_k``): the columns in the operand order, each h column's gate and up by scalar
+    loads."""
     inter = gu_ref.shape[1] // 2
     per = H_CHUNK  # h columns a chunk
+    lanes = 128 // H_PROGRAM_ROWS  # threads a row
+    warps_a_row = max(lanes // 32, 1)
     chunks = inter // per  # a row's
-    lane_chunks = -(-chunks // 32)
+    lane_chunks = -(-chunks // lanes)
     keep = lane_chunks <= H_KEEP_CHUNKS
     interleaved = layout is GateUpLayout.INTERLEAVED
+    refs = (gu_ref, h_ref, hf_ref) + ((red_ref,) if warps_a_row > 1 else ())
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(),
-                                  plgpu.Layout.WG_SPLAT, plgpu.Layout.WG_SPLAT))
-    def program(_, gu, h, hf, first_, count_):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs) + (plgpu.Layout.WG_SPLAT,) * 2)
+    def program(_, *args):
+        *mems, first_, count_ = args
         i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
-        f32x4 = ir.VectorType.get((4,), f32)
+        f32v = ir.VectorType.get((per,), f32)
         tid = arith.remui(mgpu.utils.thread_idx(), _i32(128))
-        warp, lane = arith.divui(tid, _i32(32)), arith.remui(tid, _i32(32))
-        row = arith.addi(first_.registers.item(), warp)
-        gu_ptr, h_ptr, hf_ptr = (mgpu.utils.memref_ptr(v) for v in (gu, h, hf))
+        r, lane = arith.divui(tid, _i32(lanes)), arith.remui(tid, _i32(lanes))
+        row = arith.addi(first_.registers.item(), r)
+        gu_ptr, h_ptr, hf_ptr, *red = (mgpu.utils.memref_ptr(v) for v in mems)
         bases = [arith.muli(arith.addi(row, _i32(s * rows)), _i32(2 * inter * 4))
                  for s in range(splits)]
 
@@ -1216,21 +1226,20 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, *, splits: int, rows:
             return functools.reduce(arith.addf, vals)
 
         def h_values(i):
-            """(first column, the lane's ``per`` h values (f32, rounded to bf16), in range) of
-            its chunk i (columns past the row: chunk 0's, out of range)."""
-            c = arith.addi(lane, _i32(32 * i))
-            ok = arith.cmpi(arith.CmpIPredicate.ult, c, _i32(chunks))
-            if (i + 1) * 32 <= chunks:  # every lane's chunk in range
-                ok = None
-            else:
+            """(first column, the thread's ``per`` h values (f32, rounded to bf16), in range)
+            of its chunk i (past the row: chunk 0's, out of range; None: always in range)."""
+            c = arith.addi(lane, _i32(lanes * i))
+            ok = None
+            if (i + 1) * lanes > chunks:  # some thread's chunk past the row
+                ok = arith.cmpi(arith.CmpIPredicate.ult, c, _i32(chunks))
                 c = arith.select(ok, c, _i32(0))
             pos0 = arith.muli(c, _i32(per))
             if block_k is None and not interleaved:
-                g4, u4 = summed(pos0, f32x4), summed(arith.addi(pos0, _i32(inter)), f32x4)
-                pairs = [(scalar(g4, j), scalar(u4, j)) for j in range(per)]
-            elif block_k is None:  # gate and up alternate: two 16-byte loads
-                v = [summed(arith.addi(arith.muli(pos0, _i32(2)), _i32(4 * half)), f32x4)
-                     for half in range(2)]
+                g, u = summed(pos0, f32v), summed(arith.addi(pos0, _i32(inter)), f32v)
+                pairs = [(scalar(g, j), scalar(u, j)) for j in range(per)]
+            elif block_k is None:  # gate and up alternate: 16-byte loads of two pairs
+                v = [summed(arith.addi(arith.muli(pos0, _i32(2)), _i32(4 * q)),
+                            ir.VectorType.get((4,), f32)) for q in range(per // 2)]
                 pairs = [(scalar(v[j // 2], 2 * (j % 2)), scalar(v[j // 2], 2 * (j % 2) + 1))
                          for j in range(per)]
             else:
@@ -1252,14 +1261,26 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, *, splits: int, rows:
             for v in vals:
                 a = mlir_math.absf(v)
                 amax = arith.maximumf(amax, a if ok is None else arith.select(ok, a, _f32c(0)))
-        for d in (16, 8, 4, 2, 1):  # the row's lanes
+        d = min(lanes, 32) // 2
+        while d:  # the row's lanes of a warp
             amax = arith.maximumf(amax, mgpu.utils.shfl_bfly(amax, d))
+            d //= 2
+        if warps_a_row > 1:  # across the row's warps: one f32 a warp through SMEM
+            warp = arith.divui(tid, _i32(32))
+            with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.eq, arith.remui(tid, _i32(32)),
+                                            _i32(0))):
+                llvm.store(amax, _gep(red[0], arith.muli(warp, _i32(4))))
+            mgpu.utils.warpgroup_barrier()
+            mine = arith.muli(arith.divui(warp, _i32(warps_a_row)), _i32(warps_a_row))
+            for j in range(warps_a_row):
+                other = _load(red[0], arith.muli(arith.addi(mine, _i32(j)), _i32(4)), f32)
+                amax = arith.maximumf(amax, other)
         # rows._store_scaled's powers of two (paged_attention.decode._pow2_row_scales)
         e = arith.andi(arith.shrui(arith.bitcast(i32, amax), _i32(23)), _i32(0xFF))
         e = arith.minsi(arith.maxsi(e, _i32(11)), _i32(254))
         up = arith.bitcast(f32, arith.shli(arith.subi(_i32(264), e), _i32(23)))
         down = arith.bitcast(f32, arith.shli(arith.subi(e, _i32(10)), _i32(23)))
-        with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.ult, warp, count_.registers.item())):
+        with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.ult, r, count_.registers.item())):
             for i in range(lane_chunks):
                 pos0, vals, ok = kept[i] if keep else h_values(i)
                 f16 = [arith.truncf(ir.F16Type.get(), arith.mulf(v, up)) for v in vals]
@@ -1274,8 +1295,7 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, *, splits: int, rows:
                 llvm.store(down, _gep(hf_ptr, arith.muli(row, _i32(4))))
         mgpu.utils.warpgroup_barrier()  # every thread's stores before the caller's release
 
-    program(gu_ref, h_ref, hf_ref, jnp.asarray(first, jnp.int32),
-            jnp.asarray(count, jnp.int32))
+    program(*refs, jnp.asarray(first, jnp.int32), jnp.asarray(count, jnp.int32))
 
 
 def _proxy_fence():
@@ -1355,7 +1375,12 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
                 plgpu.semaphore_wait(sems.at[0, u], nt_gu * gate_up["k_splits"],
                                      decrement=False, memory_scope="gpu")
             _proxy_fence()
-            _h_program_inline(gu_o, h_o, hf_o, first, count, **h_program)
+            if H_PROGRAM_ROWS >= 4:  # a row within a warp: shuffles only
+                _h_program_inline(gu_o, h_o, hf_o, first, count, **h_program)
+            else:
+                pl.run_scoped(lambda red: _h_program_inline(gu_o, h_o, hf_o, first, count, red,
+                                                            **h_program),
+                              plgpu.SMEM((4,), jnp.float32))
 
         if sync:  # every part of a used item, rows or not
             @pl.when(work_gmem[2, u] > 0)

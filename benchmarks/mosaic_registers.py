@@ -1,0 +1,177 @@
+"""ptxas's register count of the Mosaic GPU decode kernels for sm_90a, on a machine without a
+GPU: the kernel is lowered by ``jax.export`` for CUDA, then compiled to PTX and through ptxas
+by jax's CUDA PJRT plugin (``MosaicGpuCompile``), with a stand-in ``libcuda.so.1`` that reports
+an sm_90 device and refuses to load the result (the count is printed before that).
+
+Registers set a kernel's CTAs an SM on the H200 (65536 a SM, 128 threads a CTA: <= 102 for 5,
+the most the decode kernels' ~43 KB of SMEM allow), which device time is too scarce to sweep.
+Counts taken this way matched the H200's own ptxas (88 / 89 / 120 / 133 registers, session 23).
+
+Needs: ``ptxas`` and ``nvvm/libdevice`` of CUDA 13 under ``--cuda-root``, ``gcc``, and the
+wheels ``jax-cuda13-pjrt==0.11.2`` and ``jax-cuda13-plugin==0.11.2`` unpacked into
+``--plugins`` (``pip download --no-deps -d W jax-cuda13-pjrt==0.11.2 jax-cuda13-plugin==0.11.2``
+then ``unzip`` each into one directory); nothing is installed.
+
+    python benchmarks/mosaic_registers.py --plugins DIR [--case qwen3-fp8 ...]
+        [--set H_PROGRAM_ROWS=1 ...]
+
+Cases: ``{qwen3,gptoss}-{fp8,nvfp4,mxfp4}`` (Qwen3-30B-A3B, gpt-oss-120b; 64 pairs); each row
+of the table is the one-launch kernel (``slot_mlp``) and the two ``slot_matmul`` kernels.
+``--set NAME=VALUE`` sets a ``pallas_kernels.moe_decode.mosaic`` constant first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import ctypes
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+_FAKE_LIBCUDA = r"""
+#include <string.h>
+typedef int CUresult;
+static int ctx;
+CUresult cuInit(unsigned f) { return 0; }
+CUresult cuDriverGetVersion(int* v) { *v = 13000; return 0; }
+CUresult cuDeviceGet(int* d, int o) { *d = 0; return 0; }
+CUresult cuDeviceGetCount(int* c) { *c = 1; return 0; }
+CUresult cuDeviceGetAttribute(int* v, int attr, int d) {  /* 75, 76: compute capability */
+  *v = attr == 75 ? 9 : attr == 16 ? 132 : 0; return 0; }
+CUresult cuDeviceGetName(char* n, int len, int d) { strncpy(n, "NVIDIA H200", len); return 0; }
+CUresult cuCtxGetCurrent(void** c) { *c = &ctx; return 0; }
+CUresult cuCtxGetDevice(int* d) { *d = 0; return 0; }
+CUresult cuCtxPushCurrent(void* c) { return 0; }
+CUresult cuCtxPopCurrent(void** c) { return 0; }
+CUresult cuCtxSetCurrent(void* c) { return 0; }
+CUresult cuDevicePrimaryCtxRetain(void** c, int d) { *c = &ctx; return 0; }
+CUresult cuGetErrorString(CUresult e, const char** s) { *s = "stand-in libcuda"; return 0; }
+CUresult cuGetErrorName(CUresult e, const char** s) { *s = "STAND_IN"; return 0; }
+CUresult cuModuleLoadData(void** m, const void* i) { return 999; }
+"""
+
+CASES = {  # (format, H, I, gate_up kwargs of slot_mlp)
+    "qwen3-fp8": ("fp8", 2048, 768, {}),
+    "qwen3-nvfp4": ("nvfp4", 2048, 768, {}),
+    "qwen3-mxfp4": ("mxfp4", 2048, 768, {}),
+    "gptoss-fp8": ("fp8", 2880, 2880, dict(activation="gpt_oss", layout="interleaved")),
+    "gptoss-nvfp4": ("nvfp4", 2880, 2880, dict(activation="gpt_oss", layout="interleaved")),
+    "gptoss-mxfp4": ("mxfp4", 2880, 2880, dict(activation="gpt_oss", layout="interleaved")),
+}
+KERNELS = ("slot_mlp", "gate_up", "down")
+
+
+def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str]) -> None:
+    """In a child process: lower ``kernel`` of ``case`` and hand it to ``MosaicGpuCompile``,
+    which prints ptxas's report (``MOSAIC_GPU_DUMP_PTXAS``)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+
+    from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout
+    from pallas_kernels.moe_decode import mosaic
+
+    for item in sets:
+        name, value = item.split("=", 1)
+        setattr(mosaic, name, ast.literal_eval(value))
+    fmt, h, inter, variant = CASES[case]
+    if "activation" in variant:
+        variant = dict(variant, activation=Activation(variant["activation"]),
+                       layout=GateUpLayout(variant["layout"]), limit=7.0)
+    e, p = 128, 64
+    packed = 1 if fmt == "fp8" else 2
+    w_dtype = jnp.float8_e4m3fn if fmt == "fp8" else jnp.uint8
+    spec = jax.ShapeDtypeStruct
+
+    def stack(n, k):  # (w, scale[, global]) of [e, n, k]
+        w = spec((e, n, k // packed), w_dtype)
+        match fmt:
+            case "fp8":
+                return [w, spec((e, -(-n // 128), -(-k // 128)), jnp.float32)]
+            case "nvfp4":
+                return [w, spec((e, n, k // 16), jnp.float8_e4m3fn), spec((e, 1), jnp.float32)]
+        return [w, spec((e, n, k // 32), jnp.uint8)]
+
+    gu, dn = stack(2 * inter, h), stack(h, inter)
+    tiles = (mosaic.choose_slot_tile(h, fmt=fmt), mosaic.choose_slot_tile(inter, fmt=fmt))
+    fp8_block = (128, 128) if fmt == "fp8" else None
+    rows = mosaic.window_rows(p)
+    work = spec((3, e + p // mosaic.ROWS), jnp.int32)
+    if kernel == "slot_mlp":
+        names = ["gate_up", "down", "gate_up_scale", "down_scale", "gate_up_global_scale",
+                 "down_global_scale"][:2 * len(gu)]
+        arrays = [v for pair in zip(gu, dn, strict=True) for v in pair]
+
+        def f(work, a, factor, *arrays_):
+            return mosaic.slot_mlp(work, a, factor, **dict(zip(names, arrays_, strict=True)),
+                                   fmt=fmt, fp8_block=fp8_block, tiles=tiles, **variant)
+
+        k = h
+    else:
+        i = KERNELS.index(kernel) - 1
+        arrays, k = (gu, h) if i == 0 else (dn, inter)
+
+        def f(work, a, factor, w, scale, global_scale=None):
+            return mosaic.slot_matmul(work, a, w, scale, None, global_scale, row_factor=factor,
+                                      fmt=fmt, fp8_block=fp8_block, tile=tiles[i])
+
+    mgpu_core.KNOWN_KERNELS.clear()
+    export.export(jax.jit(f), platforms=["cuda"])(
+        work, spec((rows, k), jnp.float16), spec((rows,), jnp.float32), *arrays)
+    (module,) = mgpu_core.KNOWN_KERNELS.values()
+    lib = ctypes.CDLL(str(plugins / "jax_plugins" / "xla_cuda13" / "xla_cuda_plugin.so"))
+    compile_ = lib.MosaicGpuCompile
+    compile_.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    compile_.restype = ctypes.POINTER(ctypes.c_void_p)
+    compile_(ctypes.c_char_p(module), ctypes.c_int(len(module)))  # fails at the load: expected
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--plugins", type=Path, required=True,
+                        help="the unpacked jax-cuda13-pjrt and jax-cuda13-plugin wheels")
+    parser.add_argument("--cuda-root", type=Path, default=Path("/usr/local/cuda"))
+    parser.add_argument("--case", nargs="+", choices=list(CASES), default=["qwen3-fp8"])
+    parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # (case, kernel): the child
+    args = parser.parse_args()
+    if args.one:
+        _compile_one(*args.one, args.plugins, args.set)
+        return
+    if not (args.plugins / "jax_plugins" / "xla_cuda13" / "xla_cuda_plugin.so").exists():
+        sys.exit(f"--plugins {args.plugins}: no jax_plugins/xla_cuda13/xla_cuda_plugin.so (see "
+                 f"the docstring: pip download, unzip)")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "libcuda.c"
+        src.write_text(_FAKE_LIBCUDA)
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(Path(tmp) / "libcuda.so.1"),
+                        str(src)], check=True)
+        env = dict(os.environ, LD_LIBRARY_PATH=tmp, MOSAIC_GPU_DUMP_PTXAS="1",
+                   MOSAIC_GPU_CUDA_ROOT=str(args.cuda_root),
+                   MOSAIC_GPU_RUNTIME_LIB_PATH=str(args.plugins / "jax_cuda13_plugin"
+                                                   / "libmosaic_gpu_runtime.so"))
+        print(f"settings: {' '.join(args.set) or '(the code)'}\n")
+        print("| case | " + " | ".join(f"{k} registers" for k in KERNELS) + " |")
+        print("|---" * (len(KERNELS) + 1) + "|")
+        for case in args.case:
+            counts = []
+            for kernel in KERNELS:
+                out = subprocess.run(
+                    [sys.executable, __file__, "--plugins", str(args.plugins), "--one", case,
+                     kernel, "--set", *args.set], env=env, capture_output=True, text=True)
+                text = out.stdout + out.stderr
+                used = [ln for ln in text.splitlines() if "Used" in ln and "registers" in ln]
+                counts.append(used[0].split("Used")[1].split("registers")[0].strip() if used
+                              else "error: " + text.strip().splitlines()[-1][:80])
+            print(f"| {case} | " + " | ".join(counts) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
