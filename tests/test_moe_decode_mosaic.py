@@ -403,11 +403,13 @@ FUSED_CASES = [  # (T, k, format, arrays' keywords, variant, routing pattern)
 ]
 
 
-@pytest.mark.parametrize("rows", [4, 16])
-def test_fused_launch_h_program_rows(monkeypatch, rows):
-    """The interpreter's h programs of 4 and 16 rows (``H_PROGRAM_ROWS``) give the same pairs
-    as the three launches."""
+@pytest.mark.parametrize("rows,blocks", [(4, True), (16, False)])
+def test_fused_launch_h_program_rows(monkeypatch, rows, blocks):
+    """The interpreter's h programs of 4 and 16 rows (``H_PROGRAM_ROWS``), after the gate_up
+    programs item by item with the down programs or all before them (``FUSED_ITEM_BLOCKS``),
+    give the same pairs as the three launches."""
     monkeypatch.setattr(mosaic, "H_PROGRAM_ROWS", rows)
+    monkeypatch.setattr(mosaic, "FUSED_ITEM_BLOCKS", blocks)
     jax.clear_caches()  # read at trace time
     kw = arrays(FP8, bias=True)
     x, ids = x_rows(5), routing("repeated", 5, 4, seed=2)
@@ -758,16 +760,18 @@ def check_compiled(fmt, k_splits, t: int, fused: bool, *, inter: int,
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
-@pytest.mark.parametrize("rows,chunk,keep", [(1, 4, 16), (2, 2, 0), (4, 4, 8), (16, 2, 16)])
+@pytest.mark.parametrize("rows,chunk,keep,blocks", [(1, 4, 16, True), (2, 2, 0, False),
+                                                     (4, 4, 8, True), (16, 2, 16, False)])
 @pytest.mark.parametrize("fmt,inter,variant", [
     (FP8, 448, ()),  # SiLU, concatenated; rows of 448: chunks past the row's end
     (MXFP4, 512, (("activation", "gpt_oss"), ("gate_up_layout", "interleaved")))],
     ids=["fp8", "mxfp4"])
-def test_compiled_h_program_variants_on_gpu(monkeypatch, rows, chunk, keep, fmt, inter,
+def test_compiled_h_program_variants_on_gpu(monkeypatch, rows, chunk, keep, blocks, fmt, inter,
                                             variant):
     """The one launch's compiled h program in its shapes (rows a program: a row over several
-    warps takes an SMEM step; 8- or 16-byte chunks; values kept or recomputed)."""
-    for name, value in (("H_PROGRAM_ROWS", rows), ("H_CHUNK", chunk), ("H_KEEP_CHUNKS", keep)):
+    warps takes an SMEM step; 8- or 16-byte chunks; values kept or recomputed) and orders."""
+    for name, value in (("H_PROGRAM_ROWS", rows), ("H_CHUNK", chunk), ("H_KEEP_CHUNKS", keep),
+                        ("FUSED_ITEM_BLOCKS", blocks)):
         monkeypatch.setattr(mosaic, name, value)
     jax.clear_caches()  # read at trace time
     check_compiled(fmt, (1, 1), 12, True, inter=inter, variant=variant)

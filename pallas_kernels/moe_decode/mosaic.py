@@ -1090,10 +1090,10 @@ def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, row_fact
 # One launch for gate_up, h and down (``slot_mlp``).
 # ---------------------------------------------------------------------------------------------
 #
-# A 1-D grid: every gate_up program (item, 64 columns, K split), then ROWS / H_PROGRAM_ROWS h
-# programs an item, then every down program, each range items fastest as ``slot_matmul``'s
-# grid. The GPU starts programs in grid order, so a program only waits for programs started
-# before it: an h program for its item's gate_up programs (a GMEM semaphore each signals once
+# A 1-D grid: every gate_up program (item, 64 columns, K split; an item's together), then item
+# by item its ROWS / H_PROGRAM_ROWS h programs and its down programs (``FUSED_ITEM_BLOCKS``).
+# The GPU starts programs in grid order, so a program only waits for programs started before
+# it: an h program for its item's gate_up programs (a GMEM semaphore each signals once
 # its TMA stores have completed), a down program for its item's h programs. The semaphores
 # (``pl.get_global``: one array for the whole grid) are zero-filled before the launch; the
 # interpreter runs programs one after another in grid order and has none.
@@ -1108,7 +1108,8 @@ H_PROGRAM_ROWS = 1  # rows of an h program (1, 2, 4, 8 or 16): ROWS / H_PROGRAM_
 H_CHUNK = 2  # h columns a thread of the h program loads at a time (2 or 4: 8- or 16-byte loads)
 H_KEEP_CHUNKS = 16  # chunks a thread keeps in registers between the max and the stores
 FUSED_WAIT = True  # False: the programs skip their waits (wrong results: timing only)
-FUSED_ITEMS_FIRST = False  # each phase's programs items fastest, else an item's together
+FUSED_ITEM_BLOCKS = True  # after the gate_up programs: each item's h programs, then its down
+#   programs (else every h program, then every down program)
 
 
 def _h_program_jnp(gu_ref, h_ref, hf_ref, first, count, *, splits: int, rows: int,
@@ -1337,20 +1338,17 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
     sems = pl.get_global(plgpu.SemaphoreType.REGULAR((2, w))) if sync else None
     pid = lax.axis_index("p")
 
-    def coords(q, tiles, splits):
-        """Program ``q`` of a phase -> (item, tile, split): ``FUSED_ITEMS_FIRST``, items
-        fastest (as ``slot_matmul``'s grid), else an item's programs one after another."""
-        if FUSED_ITEMS_FIRST:
-            rest = lax.div(q, w)
-            return (lax.rem(q, w), lax.rem(rest, tiles),
-                    lax.div(rest, tiles) if splits > 1 else None)
-        rest = lax.div(q, tiles)
-        return (lax.div(rest, splits), lax.rem(q, tiles),
-                lax.rem(rest, splits) if splits > 1 else None)
+    def tile_split(q, tiles, splits):
+        """An item's program ``q`` of a phase -> (tile, split)."""
+        return lax.rem(q, tiles), lax.div(q, tiles) if splits > 1 else None
+
+    gu_per_item = nt_gu * gate_up["k_splits"]
+    down_per_item = nt_down * down["k_splits"]
 
     @pl.when(pid < n_gu)
     def _():
-        u, nt, split = coords(pid, nt_gu, gate_up["k_splits"])
+        u = lax.div(pid, gu_per_item)  # an item's programs one after another
+        nt, split = tile_split(lax.rem(pid, gu_per_item), nt_gu, gate_up["k_splits"])
         _matmul_program(work_gmem, a_gmem, split_stacks(gu_stacks), a_factor, gu_bias, gu_o,
                         stages[0], u=u, nt=nt, split=split, fmt=fmt, **gate_up)
         if sync:
@@ -1359,9 +1357,17 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
                 _proxy_fence()  # the TMA stores completed (wait_smem_to_gmem(0)): visible
                 plgpu.semaphore_signal(sems.at[0, u], 1, memory_scope="gpu")
 
-    @pl.when((pid >= n_gu) & (pid < n_gu + h_parts * w))
+    q = pid - n_gu  # then the h and down programs: (item, h part or down program)
+    if FUSED_ITEM_BLOCKS:  # item u's h programs, then its down programs, then item u + 1's
+        u, j = lax.div(q, h_parts + down_per_item), lax.rem(q, h_parts + down_per_item)
+        is_h, part, d = j < h_parts, j, j - h_parts
+    else:  # every item's h programs, then every item's down programs
+        is_h, d = q < h_parts * w, q - h_parts * w
+        u = jnp.where(is_h, lax.div(q, h_parts), lax.div(d, down_per_item))
+        part, d = lax.rem(q, h_parts), lax.rem(d, down_per_item)
+
+    @pl.when((pid >= n_gu) & is_h)
     def _():
-        u, part, _ = coords(pid - n_gu, h_parts, 1)
         first = work_gmem[1, u] + part * H_PROGRAM_ROWS
         count = jnp.minimum(jnp.maximum(work_gmem[2, u] - part * H_PROGRAM_ROWS, 0),
                             H_PROGRAM_ROWS)
@@ -1387,9 +1393,9 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
             def _():
                 plgpu.semaphore_signal(sems.at[1, u], 1, memory_scope="gpu")
 
-    @pl.when(pid >= n_gu + h_parts * w)
+    @pl.when((pid >= n_gu) & ~is_h)
     def _():
-        u, nt, split = coords(pid - n_gu - h_parts * w, nt_down, down["k_splits"])
+        nt, split = tile_split(d, nt_down, down["k_splits"])
         if sync:
             @pl.when(work_gmem[2, u] > 0)
             def _():
