@@ -695,6 +695,16 @@ class TestLowersForHopper:
                 activation="gpt_oss", layout="interleaved", limit=7.0))
         jax.clear_caches()
 
+    @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda v: v.value)
+    def test_fp4_half_steps_lower(self, monkeypatch, fmt):
+        """FP4 steps of 256 as two wgmmas of 128 (``FP4_HALF_STEPS``): the three launches'
+        kernels and the one launch, Qwen3's shapes."""
+        monkeypatch.setattr(mosaic, "FP4_HALF_STEPS", True)
+        jax.clear_caches()  # read at trace time
+        self.test_lowers(fmt, 1536, 2048, 2)
+        self.lower_one_launch(fmt, 2048, 768, (1, 1), {})
+        jax.clear_caches()
+
     @staticmethod
     def lower_one_launch(fmt, h, inter, k_splits, variant):
         """``slot_mlp`` (gate_up, the h programs with their semaphores, down) for the model
@@ -757,6 +767,19 @@ def check_compiled(fmt, k_splits, t: int, fused: bool, *, inter: int,
     out = moe_decode_mosaic_pairs(x, ids, **kw, **variant, k_splits=k_splits, fused=fused)
     ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
     assert_pairs_close(out, ref, ids, e, tol=5e-3)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
+@pytest.mark.parametrize("fmt,k_splits,fused", [(NVFP4, (1, 1), False), (MXFP4, (2, 1), False),
+                                                (NVFP4, (1, 1), True), (MXFP4, (1, 1), True)],
+                         ids=str)
+def test_compiled_fp4_half_steps_on_gpu(monkeypatch, fmt, k_splits, fused):
+    """FP4 steps of 256 as two wgmmas of 128 in turn (``FP4_HALF_STEPS``; K 1024 and 512:
+    steps of 256) against the reference."""
+    monkeypatch.setattr(mosaic, "FP4_HALF_STEPS", True)
+    jax.clear_caches()  # read at trace time
+    check_compiled(fmt, k_splits, 12, fused, inter=512)
+    jax.clear_caches()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")

@@ -110,6 +110,7 @@ NUM_STAGES = 3  # TMA stages in flight: 43 KB of SMEM a CTA, 5 CTAs an SM (H200 
 NUM_STAGES_LONG = 4  # the same for K of at least LONG_K_STEPS steps of <= 128 (H200: NOTES)
 LONG_K_STEPS = 20  # gpt-oss's 23 steps of 128 take 4 stages; Qwen3's 16 (gate_up) 3
 NUM_STAGES_WIDE = 2  # the same for FP4 steps of 192 / 256 (20 KB a stage at 256; H200: NOTES)
+FP4_HALF_STEPS = False  # FP4 steps of 256: two wgmmas of 128 in turn (operand registers reused)
 SCALE_PREFETCH = 3  # K steps a scale load is issued before its step (1: the step before)
 WINDOW = ROWS + 8  # activation rows a program reads (the wgmma's N): from an 8-aligned row
 BLOCK_N = 64  # weight rows a program (the wgmma's M)
@@ -345,22 +346,50 @@ def _matmul_program(
             operands_of = functools.partial(_fp4_operands_inline, tile=tile)
         first, advance = ahead(lambda kb: bits_of(at(kb)))
 
+        halves = FP4_HALF_STEPS and bk == 256 and not stage_w
+
         def step_operand(kb, w_smem, queue):
             """(this step's operand, its factors, the queue of the steps after it)."""
             bits, queue = advance(kb, queue)
             factors = factors_of(bits)
             return staged(operands_of(w_smem, factors[0])), factors, queue
 
+        def step_mma(acc_ref, kb, w_smem, a_smem, queue):
+            """Step ``kb``'s wgmma into ``acc_ref``, waited: one of ``[bn, bk]``, or
+            (``halves``) two of ``[bn, bk / 2]`` in turn, each half's operand converted after
+            the previous wgmma (their registers reused). (factors, queue)."""
+            if not halves:
+                w, factors, queue = step_operand(kb, w_smem, queue)
+                plgpu.wgmma(acc_ref, w, a_smem.transpose((1, 0)))  # [bn, bk] x [bk, WINDOW]
+                plgpu.wgmma_wait(0)  # w's registers and the activation tile are free again
+                return factors, queue
+            bits, queue = advance(kb, queue)
+            factors = factors_of(bits)
+            for h in range(2):
+                w = operands_of(w_smem, factors[0], half=h)
+                a_half = a_smem.at[:, pl.ds(h * (bk // 2), bk // 2)]
+                plgpu.wgmma(acc_ref, w, a_half.transpose((1, 0)))
+                plgpu.wgmma_wait(0)
+            return factors, queue
+
         if fmt == "mxfp4":
             def step(idx, w_smem, a_smem, carry):
                 acc, queue = carry
-                w, factors, queue = step_operand(idx[0], w_smem, queue)
+                if halves:
+                    def mma(part):
+                        factors, queue_ = step_mma(part, idx[0], w_smem, a_smem, queue)
+                        return part[...], factors, queue_
 
-                def mma(part):
-                    plgpu.wgmma(part, w, a_smem.transpose((1, 0)))  # [bn, bk] x [bk, WINDOW]
-                    return part[...]
+                    part, factors, queue = pl.run_scoped(mma, plgpu.ACC((bn, WINDOW),
+                                                                        jnp.float32))
+                else:
+                    w, factors, queue = step_operand(idx[0], w_smem, queue)
 
-                part = pl.run_scoped(mma, plgpu.ACC((bn, WINDOW), jnp.float32))
+                    def mma(part):
+                        plgpu.wgmma(part, w, a_smem.transpose((1, 0)))  # [bn, bk] x [bk, WINDOW]
+                        return part[...]
+
+                    part = pl.run_scoped(mma, plgpu.ACC((bn, WINDOW), jnp.float32))
                 part = part * lax.broadcast_in_dim(factors[1], (bn, WINDOW), [0])
                 return acc + part, queue
 
@@ -376,9 +405,7 @@ def _matmul_program(
 
         def nv_step(idx, w_smem, a_smem, carry):
             acc_ref, queue = carry
-            w, _, queue = step_operand(idx[0], w_smem, queue)
-            plgpu.wgmma(acc_ref, w, a_smem.transpose((1, 0)))
-            plgpu.wgmma_wait(0)  # w's registers and the activation tile are free again
+            _, queue = step_mma(acc_ref, idx[0], w_smem, a_smem, queue)
             return acc_ref, queue
 
         def run(acc_ref):
@@ -806,14 +833,22 @@ def _fp4_word_to_f16x2(word):
             yield 2 * hh + j, pair
 
 
-def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
+def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile, half: int | None = None):
     """The code tile ``w_smem [bn, bk / 2]`` (``_code_transforms``) -> the f16 A operand
     ``[bn, bk]`` (WGMMA layout) with the step's factors (``_fp4_factors_inline``'s carrier)
-    multiplied in; its columns hold K columns ``fp4_operand_order``."""
+    multiplied in; its columns hold K columns ``fp4_operand_order``. ``half`` (0 or 1, ``bk``
+    256): only operand columns ``[half * bk / 2, (half + 1) * bk / 2)``, ``[bn, bk / 2]`` (a
+    thread's words of that half: its 16-byte load ``half``)."""
     bn, bk = BLOCK_N, tile.block_k
     words = bk // 32  # 32-bit words a thread reads of a row (bk / 8 bytes)
     load_bytes = 16 if words % 4 == 0 else 8  # SMEM loads of 16 bytes (8 at bk = 64, 192)
-    operand = plgpu.ShapeDtypeStruct((bn, bk), jnp.float16, layout=plgpu.Layout.WGMMA)
+    loads = range(bk // 8 // load_bytes)
+    if half is not None:
+        if bk != 256:
+            raise ValueError(f"half: K steps of 256 split in two, not {bk}")
+        loads = range(half, half + 1)
+    cols = bk if half is None else bk // 2
+    operand = plgpu.ShapeDtypeStruct((bn, cols), jnp.float16, layout=plgpu.Layout.WGMMA)
     row_bytes = bk // 2
     swizzle = _code_transforms(bk)[1].swizzle  # 8-row tiles this wide
 
@@ -825,12 +860,12 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
         row, _, _, quad = _thread_rows()
         ptr = mgpu.utils.memref_ptr(ref)
         # register [0, b, 0, 0, i, ...]: row half i, columns 8b + 2c, 8b + 2c + 1
-        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, bk)), object)
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, cols)), object)
         first = arith.muli(quad, _i32(bk // 8))  # the thread's first byte of a row
         for i in range(2):
             r = arith.addi(row, _i32(8 * i))
             vals = []
-            for j in range(bk // 8 // load_bytes):
+            for j in loads:
                 # byte b = first + j * load_bytes of row r: tiles of 8 rows x swizzle bytes
                 # (row tile, then column tile), in a tile byte t = (r % 8) * swizzle + b %
                 # swizzle, its 16-byte chunk XOR-ed with (t // 128) % (swizzle // 16) (Mosaic
@@ -846,13 +881,14 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile):
                 vals += [vector.extract(vec, dynamic_position=[],
                                         static_position=ir.DenseI64ArrayAttr.get([w]))
                          for w in range(load_bytes // 4)]
-            for w, word in enumerate(vals):
+            skip = 0 if half is None else half * load_bytes // 4  # words before the first
+            for w, word in enumerate(vals, start=skip):
                 # words 2s, 2s + 1 lie in the scale group of the carrier's slot s (NVFP4; an
                 # MXFP4 group spans two slots, which hold the same factor)
                 f = fac.registers[0, w // 2, 0, 0, i, 0, 0, 0, 0]
                 for col_block, pair in _fp4_word_to_f16x2(word):
                     val = arith.mulf(mgpu.utils.bitcast(pair, f16x2), f)
-                    regs[0, 4 * w + col_block, 0, 0, i, 0, 0, 0, 0] = val
+                    regs[0, 4 * (w - skip) + col_block, 0, 0, i, 0, 0, 0, 0] = val
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     return convert(w_smem, factors)
