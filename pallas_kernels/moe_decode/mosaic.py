@@ -61,7 +61,9 @@ f16 rows in sorted order (``rows.x_rows``) -> gate_up (x's factors and the gate_
 its epilogue) -> the activation and h's f16 rows (``rows.h_rows``) -> down (h's factors and the
 down bias likewise); each pair's row is picked by the caller's combine (``kernel.pairs_of``,
 fused by XLA). Up to 64 pairs the plan and x's rows are one launch
-(``rows.plan_x_rows``): four. BF16 weights take bf16 rows gathered by XLA.
+(``rows.plan_x_rows``): four. BF16 weights take bf16 rows gathered by XLA. ``fused=True``
+(``slot_mlp``, f16 activations; opt-in, ``FUSE_MLP``) makes gate_up, h and down one launch
+whose programs wait on GMEM semaphores (the comment above ``slot_mlp``).
 """
 
 from __future__ import annotations
