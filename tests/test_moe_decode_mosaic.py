@@ -439,13 +439,7 @@ def test_fused_launch_equals_three(t, k, fmt, arrays_kw, variant, pattern):
 def test_fused_launch_extra_stack_and_bad_inputs():
     """The shared expert folded in as expert E through the one launch; what it cannot run
     raises."""
-    kw = arrays(FP8)
-    extra_kw = arrays(FP8, e=1, seed=5)
-    extra = ExtraExperts(**{name: v for name, v in extra_kw.items()
-                            if name not in ("fmt", "block_size")})
-    t = 4
-    x = x_rows(t)
-    ids = jnp.concatenate([routing("random", t, 2), jnp.full((t, 1), E, jnp.int32)], axis=1)
+    kw, _, extra, x, ids = extra_case(FP8, 4)
     fused = moe_decode_mosaic_pairs(x, ids, interpret=True, extra=extra, fused=True, **kw)
     three = moe_decode_mosaic_pairs(x, ids, interpret=True, extra=extra, fused=False, **kw)
     np.testing.assert_array_equal(np.asarray(fused), np.asarray(three))
@@ -496,16 +490,22 @@ def test_choose_k_splits():
     assert choose_k_splits(4, 2880, 2880, ragged) == 1  # 23 steps: no divisor
 
 
-@pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4], ids=lambda f: f.value)
-def test_extra_stack(fmt):
-    """A shared expert folded in as expert id E (every token), and routed pairs beside it."""
+def extra_case(fmt, t: int):
+    """(main stack's keywords, the extra stack's, ``ExtraExperts``, x [t, H], ids [t, 3]): two
+    routed slots and the shared expert (id E) in the third."""
     kw = arrays(fmt)
     extra_kw = arrays(fmt, e=1, seed=5)
     extra = ExtraExperts(**{name: v for name, v in extra_kw.items()
                             if name not in ("fmt", "block_size")})
-    t = 5
-    x = x_rows(t)
     ids = jnp.concatenate([routing("random", t, 2), jnp.full((t, 1), E, jnp.int32)], axis=1)
+    return kw, extra_kw, extra, x_rows(t), ids
+
+
+@pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4], ids=lambda f: f.value)
+def test_extra_stack(fmt):
+    """A shared expert folded in as expert id E (every token), and routed pairs beside it."""
+    kw, extra_kw, extra, x, ids = extra_case(fmt, 5)
+    t = 5
     out = moe_decode_mosaic_pairs(x, ids, interpret=True, extra=extra, **kw)
     ref = moe_decode_pairs_reference(x, ids[:, :2], h_dtype=jnp.bfloat16, **kw)
     ref_shared = moe_decode_pairs_reference(x, jnp.zeros((t, 1), jnp.int32),
