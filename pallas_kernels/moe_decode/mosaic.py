@@ -1482,6 +1482,9 @@ def slot_mlp(
     MXFP4)."""
     if a.ndim != 2 or work.ndim != 2 or work.shape[0] != 3:
         raise ValueError(f"a, work: expected [R, H] and [3, W], got {a.shape}, {work.shape}")
+    activation, layout = Activation.coerce(activation), GateUpLayout.coerce(layout)
+    if activation is Activation.GPT_OSS and limit is None:
+        limit = GPT_OSS_LIMIT
     rows = a.shape[0]
     gu_fmt, two_i, hidden, gu_global_rows, gu_ops, gu_pad = _stack_operands(
         gate_up, gate_up_scale, gate_up_global_scale, extra_gate_up, fmt=fmt,
