@@ -95,6 +95,7 @@ from pallas_kernels.grouped_matmul.reference import (
     GPT_OSS_LIMIT,
     dequantize_weights,
     rounded,
+    split_gate_up,
 )
 from pallas_kernels.moe_decode import rows as row_launches
 from pallas_kernels.moe_decode.kernel import (
@@ -1016,6 +1017,13 @@ def _stack_operands(w, scale, global_scale, extra, *, fmt, fp8_block, tile: Slot
     return fmt, n, k, global_rows, operands, pad_k
 
 
+def _w_stage(tile: SlotTile, dtype):
+    """Interpret mode's SMEM for the weight operand (``_matmul_program``'s ``w_stage``)."""
+    dtype = jnp.dtype(dtype)
+    return plgpu.SMEM((BLOCK_N, tile.block_k), dtype, transforms=_transforms(
+        tile.block_k * dtype.itemsize, dtype.itemsize))
+
+
 def _checked_bias(bias, e: int, n: int):
     if bias.shape != (e, n) or jnp.dtype(bias.dtype) not in _BIAS_TYPES:
         raise ValueError(f"bias: expected [{e}, {n}] bfloat16, float16 or float32, "
@@ -1077,9 +1085,8 @@ def slot_matmul(
         epilogue.append(row_factor)
     if bias is not None:
         epilogue.append(_checked_bias(bias, w.shape[0], n))
-    bn, bk = BLOCK_N, tile.block_k
-    stage = [plgpu.SMEM((bn, bk), a.dtype, transforms=_transforms(
-        bk * a.dtype.itemsize, a.dtype.itemsize))] if interpret else []
+    bn = BLOCK_N
+    stage = [_w_stage(tile, a.dtype)] if interpret else []
     kernel = plgpu.kernel(
         functools.partial(_kernel, tile=tile, fmt=fmt, fp8_block=fp8_block,
                           global_rows=global_rows or 0, k=k, num_stacks=1 + (extra is not None),
@@ -1159,10 +1166,7 @@ def _h_program_jnp(gu_ref, h_ref, hf_ref, first, count, *, splits: int, rows: in
     gu = gu_ref[pl.ds(first, n), :]
     for s in range(1, splits):
         gu = gu + gu_ref[pl.ds(s * rows + first, n), :]
-    if layout is GateUpLayout.INTERLEAVED:
-        gate, up = gu[:, 0::2], gu[:, 1::2]
-    else:
-        gate, up = gu[:, :inter], gu[:, inter:]
+    gate, up = split_gate_up(gu, layout)
     h = row_launches._round_to_bf16(_epilogue(gate, up, activation, limit, alpha))
     new, factor = row_launches.rows_reference(h, block_k)
     new = jnp.pad(new, ((0, 0), (0, h_ref.shape[1] - inter)))
@@ -1369,7 +1373,9 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
 
     w = work_gmem.shape[1]
     nt_gu, nt_down = gu_o.shape[1] // BLOCK_N, y_o.shape[1] // BLOCK_N
-    n_gu = w * nt_gu * gate_up["k_splits"]
+    gu_per_item = nt_gu * gate_up["k_splits"]  # an item's gate_up programs
+    down_per_item = nt_down * down["k_splits"]
+    n_gu = w * gu_per_item
     h_parts = ROWS // H_PROGRAM_ROWS  # h programs an item
     # [2, W], shared by every program (a scratch semaphore would be a program's own), zero-filled
     # before each launch (Pallas' GMEM scratch; the counts are not taken back)
@@ -1379,9 +1385,6 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
     def tile_split(q, tiles, splits):
         """An item's program ``q`` of a phase -> (tile, split)."""
         return lax.rem(q, tiles), lax.div(q, tiles) if splits > 1 else None
-
-    gu_per_item = nt_gu * gate_up["k_splits"]
-    down_per_item = nt_down * down["k_splits"]
 
     @pl.when(pid < n_gu)
     def _():
@@ -1416,8 +1419,8 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
                 _h_program_jnp(gu_o, h_o, hf_o, first, count, **h_program)
                 return
             if FUSED_WAIT:
-                plgpu.semaphore_wait(sems.at[0, u], nt_gu * gate_up["k_splits"],
-                                     decrement=False, memory_scope="gpu")
+                plgpu.semaphore_wait(sems.at[0, u], gu_per_item, decrement=False,
+                                     memory_scope="gpu")
             _proxy_fence()
             if H_PROGRAM_ROWS >= 4:  # a row within a warp: shuffles only
                 _h_program_inline(gu_o, h_o, hf_o, first, count, **h_program)
@@ -1518,18 +1521,16 @@ def slot_mlp(
     splits_gu, splits_down = k_splits
     programs = work_items_ * (two_i // BLOCK_N * splits_gu + ROWS // H_PROGRAM_ROWS
                               + hidden // BLOCK_N * splits_down)
-    scratch = [plgpu.SMEM((BLOCK_N, t.block_k), jnp.float16, transforms=_transforms(
-        2 * t.block_k, 2)) for t in tiles] if interpret else []
-    common = dict(fp8_block=fp8_block)
+    scratch = [_w_stage(t, jnp.float16) for t in tiles] if interpret else []
     kernel = plgpu.kernel(
         functools.partial(
             _fused_kernel, num_stacks=1 + (extra_gate_up is not None), fmt=fmt,
             gate_up_bias=gate_up_bias is not None, down_bias=down_bias is not None,
             sync=not interpret,
-            gate_up=dict(common, tile=tiles[0], global_rows=gu_global_rows or 0, k=hidden,
-                         k_splits=splits_gu),
-            down=dict(common, tile=tiles[1], global_rows=down_global_rows or 0, k=inter,
-                      k_splits=splits_down),
+            gate_up=dict(fp8_block=fp8_block, tile=tiles[0], global_rows=gu_global_rows or 0,
+                         k=hidden, k_splits=splits_gu),
+            down=dict(fp8_block=fp8_block, tile=tiles[1], global_rows=down_global_rows or 0,
+                      k=inter, k_splits=splits_down),
             h_program=dict(splits=splits_gu, rows=rows, layout=layout, activation=activation,
                            limit=limit, alpha=alpha,
                            block_k=tiles[1].block_k if fp4 else None)),
@@ -1687,55 +1688,48 @@ def moe_decode_mosaic_pairs(
     elif not (isinstance(k_splits, tuple) and len(k_splits) == 2):
         raise ValueError(f"k_splits: expected (gate_up, down) ints or 'auto', got {k_splits!r}")
 
+    def bias_operand(b):  # as given where the kernels read its dtype, else f32
+        return b if b is None or jnp.dtype(b.dtype) in _BIAS_TYPES else b.astype(jnp.float32)
+
+    gate_up_bias, down_bias = bias_operand(gate_up_bias), bias_operand(down_bias)
+
     def launch(a, factor, w, scale, global_scale, bias, extra_stack, tile, splits):
         """``a [R, K]`` (sorted rows, times ``factor`` back) through one launch, the bias
         added: ``[splits * R, N]`` f32, the K-split partials stacked (rows past the items'
         hold garbage: they only meet other garbage rows)."""
-        if bias is not None and jnp.dtype(bias.dtype) not in _BIAS_TYPES:
-            bias = bias.astype(jnp.float32)
         return slot_matmul(work, a, w, scale, extra_stack, global_scale, row_factor=factor,
                            bias=bias, fmt=fmt, fp8_block=fp8_block, tile=tile, k_splits=splits,
                            sum_splits=False, interpret=interpret)
 
     xs = None if extra is None else (extra.gate_up, extra.gate_up_scale,
                                      extra.gate_up_global_scale)
+    xd = None if extra is None else (extra.down, extra.down_scale, extra.down_global_scale)
     if fmt == "bf16":  # bf16 rows, the glue in XLA
         token = jnp.pad(plan.token_of_row, (0, rows - p))  # [R] (extra rows: token 0)
         gu = launch(x[token], None, gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias,
                     xs, tile[0], k_splits[0]).reshape(k_splits[0], rows, two_i).sum(axis=0)
-        if layout is GateUpLayout.INTERLEAVED:
-            gate, up = gu[:, 0::2], gu[:, 1::2]
-        else:
-            gate, up = gu[:, :inter], gu[:, inter:]
+        gate, up = split_gate_up(gu, layout)
         # h as the Triton path stores it (bf16); the barrier keeps the rounding under XLA's
         # GPU excess-precision rule (grouped_matmul.reference.rounded)
         h = rounded(_epilogue(gate, up, activation, limit, alpha), jnp.bfloat16)  # [R, I]
         h, factor = h.astype(jnp.bfloat16), None
-    elif fused:  # f16 rows; gate_up, h and down in one launch
-        a, factor = x16 or x_rows(x, plan.token_of_row, rows, block_k=order(tile[0]),
-                                  interpret=interpret)
-        xd = None if extra is None else (extra.down, extra.down_scale, extra.down_global_scale)
-        if gate_up_bias is not None and jnp.dtype(gate_up_bias.dtype) not in _BIAS_TYPES:
-            gate_up_bias = gate_up_bias.astype(jnp.float32)
-        if down_bias is not None and jnp.dtype(down_bias.dtype) not in _BIAS_TYPES:
-            down_bias = down_bias.astype(jnp.float32)
-        y = slot_mlp(work, a, factor, gate_up, down, gate_up_scale, down_scale,
-                     gate_up_global_scale, down_global_scale, extra_gate_up=xs,
-                     extra_down=xd, gate_up_bias=gate_up_bias, down_bias=down_bias, fmt=fmt,
-                     fp8_block=fp8_block, tiles=tuple(tile), k_splits=tuple(k_splits),
-                     activation=activation, layout=layout, limit=limit, alpha=alpha,
-                     interpret=interpret)
-        return pairs_of(y.reshape(k_splits[1], rows, hidden), plan)
     else:  # f16 rows scaled per row (rows.py: one launch each)
         a, factor = x16 or x_rows(x, plan.token_of_row, rows, block_k=order(tile[0]),
                                   interpret=interpret)
+        if fused:  # gate_up, h and down in one launch
+            y = slot_mlp(work, a, factor, gate_up, down, gate_up_scale, down_scale,
+                         gate_up_global_scale, down_global_scale, extra_gate_up=xs,
+                         extra_down=xd, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                         fmt=fmt, fp8_block=fp8_block, tiles=tuple(tile),
+                         k_splits=tuple(k_splits), activation=activation, layout=layout,
+                         limit=limit, alpha=alpha, interpret=interpret)
+            return pairs_of(y.reshape(k_splits[1], rows, hidden), plan)
         gu = launch(a, factor, gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, xs,
                     tile[0], k_splits[0])  # [S * R, 2I]
         h, factor = h_rows(gu, splits=k_splits[0], activation=activation, layout=layout,
                            limit=limit, alpha=alpha, block_k=order(tile[1]),
                            interpret=interpret)
-    xs = None if extra is None else (extra.down, extra.down_scale, extra.down_global_scale)
-    y = launch(h, factor, down, down_scale, down_global_scale, down_bias, xs, tile[1],
+    y = launch(h, factor, down, down_scale, down_global_scale, down_bias, xd, tile[1],
                k_splits[1]).reshape(k_splits[1], rows, hidden)  # [S, R, H]
     return pairs_of(y, plan)
 
