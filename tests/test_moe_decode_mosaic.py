@@ -11,6 +11,7 @@ without a GPU, the GPU class runs it). Shapes: H = 192 (64-wide K steps: not a m
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import chex
@@ -73,6 +74,19 @@ def arrays(fmt: WeightFormat, *, e: int = E, h: int = H, inter: int = I, bias: b
     return kw
 
 
+@contextlib.contextmanager
+def mosaic_constants(monkeypatch, **values):
+    """``pallas_kernels.moe_decode.mosaic``'s constants set for the block; jit's caches are
+    cleared on the way in and out (the kernels' traces read the constants)."""
+    for name, value in values.items():
+        monkeypatch.setattr(mosaic, name, value)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        jax.clear_caches()
+
+
 def x_rows(t: int, seed: int = 7) -> jax.Array:
     """[T, H] bf16 rows of magnitudes 1e-2 .. 3e2 (the per-row f16 scaling)."""
     rng = np.random.default_rng(seed)
@@ -115,10 +129,8 @@ def test_slot_matmul_writes_exactly_its_rows(fmt, k, k_splits):
 def test_slot_matmul_scale_prefetch(fmt, prefetch, monkeypatch):
     """Scales loaded 1 step ahead and more steps ahead than the program has (the queue clamped
     to the last step): each step still gets its own scales."""
-    monkeypatch.setattr(mosaic, "SCALE_PREFETCH", prefetch)
-    jax.clear_caches()  # slot_matmul's traces read SCALE_PREFETCH
-    check_slot_matmul(fmt, 384, compiled=False)
-    jax.clear_caches()
+    with mosaic_constants(monkeypatch, SCALE_PREFETCH=prefetch):
+        check_slot_matmul(fmt, 384, compiled=False)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
@@ -408,14 +420,11 @@ def test_fused_launch_h_program_rows(monkeypatch, rows, blocks):
     """The interpreter's h programs of 4 and 16 rows (``H_PROGRAM_ROWS``), after the gate_up
     programs item by item with the down programs or all before them (``FUSED_ITEM_BLOCKS``),
     give the same pairs as the three launches."""
-    monkeypatch.setattr(mosaic, "H_PROGRAM_ROWS", rows)
-    monkeypatch.setattr(mosaic, "FUSED_ITEM_BLOCKS", blocks)
-    jax.clear_caches()  # read at trace time
     kw = arrays(FP8, bias=True)
     x, ids = x_rows(5), routing("repeated", 5, 4, seed=2)
-    fused = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=True, **kw)
-    three = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=False, **kw)
-    jax.clear_caches()
+    with mosaic_constants(monkeypatch, H_PROGRAM_ROWS=rows, FUSED_ITEM_BLOCKS=blocks):
+        fused = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=True, **kw)
+        three = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=False, **kw)
     np.testing.assert_array_equal(np.asarray(fused), np.asarray(three))
 
 
@@ -684,26 +693,21 @@ class TestLowersForHopper:
         """The h program's variants (rows a program: a row over several warps takes an SMEM
         step; 8- or 16-byte chunks; values kept or recomputed) for Qwen3's and gpt-oss's
         rows."""
-        for name, value in (("H_PROGRAM_ROWS", rows), ("H_CHUNK", chunk),
-                            ("H_KEEP_CHUNKS", keep)):
-            monkeypatch.setattr(mosaic, name, value)
-        jax.clear_caches()  # the constants are read at trace time
-        if fmt is FP8:
-            self.lower_one_launch(FP8, 2048, 768, (1, 1), {})
-        else:
-            self.lower_one_launch(MXFP4, 2880, 2880, (1, 1), dict(
-                activation="gpt_oss", layout="interleaved", limit=7.0))
-        jax.clear_caches()
+        with mosaic_constants(monkeypatch, H_PROGRAM_ROWS=rows, H_CHUNK=chunk,
+                              H_KEEP_CHUNKS=keep):
+            if fmt is FP8:
+                self.lower_one_launch(FP8, 2048, 768, (1, 1), {})
+            else:
+                self.lower_one_launch(MXFP4, 2880, 2880, (1, 1), dict(
+                    activation="gpt_oss", layout="interleaved", limit=7.0))
 
     @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda v: v.value)
     def test_fp4_half_steps_lower(self, monkeypatch, fmt):
         """FP4 steps of 256 as two wgmmas of 128 (``FP4_HALF_STEPS``): the three launches'
         kernels and the one launch, Qwen3's shapes."""
-        monkeypatch.setattr(mosaic, "FP4_HALF_STEPS", True)
-        jax.clear_caches()  # read at trace time
-        self.test_lowers(fmt, 1536, 2048, 2)
-        self.lower_one_launch(fmt, 2048, 768, (1, 1), {})
-        jax.clear_caches()
+        with mosaic_constants(monkeypatch, FP4_HALF_STEPS=True):
+            self.test_lowers(fmt, 1536, 2048, 2)
+            self.lower_one_launch(fmt, 2048, 768, (1, 1), {})
 
     @staticmethod
     def lower_one_launch(fmt, h, inter, k_splits, variant):
@@ -776,10 +780,8 @@ def check_compiled(fmt, k_splits, t: int, fused: bool, *, inter: int,
 def test_compiled_fp4_half_steps_on_gpu(monkeypatch, fmt, k_splits, fused):
     """FP4 steps of 256 as two wgmmas of 128 in turn (``FP4_HALF_STEPS``; K 1024 and 512:
     steps of 256) against the reference."""
-    monkeypatch.setattr(mosaic, "FP4_HALF_STEPS", True)
-    jax.clear_caches()  # read at trace time
-    check_compiled(fmt, k_splits, 12, fused, inter=512)
-    jax.clear_caches()
+    with mosaic_constants(monkeypatch, FP4_HALF_STEPS=True):
+        check_compiled(fmt, k_splits, 12, fused, inter=512)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
@@ -793,12 +795,9 @@ def test_compiled_h_program_variants_on_gpu(monkeypatch, rows, chunk, keep, bloc
                                             variant):
     """The one launch's compiled h program in its shapes (rows a program: a row over several
     warps takes an SMEM step; 8- or 16-byte chunks; values kept or recomputed) and orders."""
-    for name, value in (("H_PROGRAM_ROWS", rows), ("H_CHUNK", chunk), ("H_KEEP_CHUNKS", keep),
-                        ("FUSED_ITEM_BLOCKS", blocks)):
-        monkeypatch.setattr(mosaic, name, value)
-    jax.clear_caches()  # read at trace time
-    check_compiled(fmt, (1, 1), 12, True, inter=inter, variant=variant)
-    jax.clear_caches()
+    with mosaic_constants(monkeypatch, H_PROGRAM_ROWS=rows, H_CHUNK=chunk, H_KEEP_CHUNKS=keep,
+                          FUSED_ITEM_BLOCKS=blocks):
+        check_compiled(fmt, (1, 1), 12, True, inter=inter, variant=variant)
 
 
 def test_pairs_k_splits_auto_and_bad_values():
