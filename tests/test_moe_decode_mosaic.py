@@ -12,6 +12,7 @@ without a GPU, the GPU class runs it). Shapes: H = 192 (64-wide K steps: not a m
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 
 import chex
@@ -415,14 +416,13 @@ FUSED_CASES = [  # (T, k, format, arrays' keywords, variant, routing pattern)
 ]
 
 
-@pytest.mark.parametrize("rows,blocks", [(4, True), (16, False)])
-def test_fused_launch_h_program_rows(monkeypatch, rows, blocks):
-    """The interpreter's h programs of 4 and 16 rows (``H_PROGRAM_ROWS``), after the gate_up
-    programs item by item with the down programs or all before them (``FUSED_ITEM_BLOCKS``),
-    give the same pairs as the three launches."""
+@pytest.mark.parametrize("rows", [4, 16])
+def test_fused_launch_h_program_rows(monkeypatch, rows):
+    """The interpreter's h programs of 4 and 16 rows (``H_PROGRAM_ROWS``) give the same pairs
+    as the three launches."""
     kw = arrays(FP8, bias=True)
     x, ids = x_rows(5), routing("repeated", 5, 4, seed=2)
-    with mosaic_constants(monkeypatch, H_PROGRAM_ROWS=rows, FUSED_ITEM_BLOCKS=blocks):
+    with mosaic_constants(monkeypatch, H_PROGRAM_ROWS=rows):
         fused = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=True, **kw)
         three = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=False, **kw)
     np.testing.assert_array_equal(np.asarray(fused), np.asarray(three))
@@ -443,6 +443,20 @@ def test_fused_launch_equals_three(t, k, fmt, arrays_kw, variant, pattern):
     variant.pop("k_splits", None), variant.pop("tile", None)
     ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
     assert_pairs_close(fused, ref, ids, kw["gate_up"].shape[0])
+
+
+@pytest.mark.parametrize("fmt", [FP8, BF16], ids=lambda v: v.value)
+def test_fused_by_default_at_fuse_mlp_tokens(fmt):
+    """``fused=None`` takes the one launch for f16 activations from ``FUSE_MLP_TOKENS[0]`` to
+    ``[1]`` tokens (the H200's timings) and the three launches elsewhere and for BF16."""
+    lo, hi = mosaic.FUSE_MLP_TOKENS
+    kw = arrays(fmt)
+    for t in (1, lo - 1, lo, hi, hi + 1):
+        x, ids = x_rows(t), routing("random", t, 2)
+        text = str(jax.make_jaxpr(functools.partial(moe_decode_mosaic_pairs, interpret=True,
+                                                    **kw))(x, ids))
+        assert ("name=slot_mlp" in text) == (fmt is FP8 and lo <= t <= hi), t
+        assert ("name=slot_matmul" in text) != ("name=slot_mlp" in text), t
 
 
 def test_fused_launch_extra_stack_and_bad_inputs():
@@ -701,14 +715,6 @@ class TestLowersForHopper:
                 self.lower_one_launch(MXFP4, 2880, 2880, (1, 1), dict(
                     activation="gpt_oss", layout="interleaved", limit=7.0))
 
-    @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda v: v.value)
-    def test_fp4_half_steps_lower(self, monkeypatch, fmt):
-        """FP4 steps of 256 as two wgmmas of 128 (``FP4_HALF_STEPS``): the three launches'
-        kernels and the one launch, Qwen3's shapes."""
-        with mosaic_constants(monkeypatch, FP4_HALF_STEPS=True):
-            self.test_lowers(fmt, 1536, 2048, 2)
-            self.lower_one_launch(fmt, 2048, 768, (1, 1), {})
-
     @staticmethod
     def lower_one_launch(fmt, h, inter, k_splits, variant):
         """``slot_mlp`` (gate_up, the h programs with their semaphores, down) for the model
@@ -774,29 +780,16 @@ def check_compiled(fmt, k_splits, t: int, fused: bool, *, inter: int,
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
-@pytest.mark.parametrize("fmt,k_splits,fused", [(NVFP4, (1, 1), False), (MXFP4, (2, 1), False),
-                                                (NVFP4, (1, 1), True), (MXFP4, (1, 1), True)],
-                         ids=str)
-def test_compiled_fp4_half_steps_on_gpu(monkeypatch, fmt, k_splits, fused):
-    """FP4 steps of 256 as two wgmmas of 128 in turn (``FP4_HALF_STEPS``; K 1024 and 512:
-    steps of 256) against the reference."""
-    with mosaic_constants(monkeypatch, FP4_HALF_STEPS=True):
-        check_compiled(fmt, k_splits, 12, fused, inter=512)
-
-
-@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
-@pytest.mark.parametrize("rows,chunk,keep,blocks", [(1, 4, 16, True), (2, 2, 0, False),
-                                                     (4, 4, 8, True), (16, 2, 16, False)])
+@pytest.mark.parametrize("rows,chunk,keep", [(1, 4, 16), (2, 2, 0), (4, 4, 8), (16, 2, 16)])
 @pytest.mark.parametrize("fmt,inter,variant", [
     (FP8, 448, ()),  # SiLU, concatenated; rows of 448: chunks past the row's end
     (MXFP4, 512, (("activation", "gpt_oss"), ("gate_up_layout", "interleaved")))],
     ids=["fp8", "mxfp4"])
-def test_compiled_h_program_variants_on_gpu(monkeypatch, rows, chunk, keep, blocks, fmt, inter,
+def test_compiled_h_program_variants_on_gpu(monkeypatch, rows, chunk, keep, fmt, inter,
                                             variant):
     """The one launch's compiled h program in its shapes (rows a program: a row over several
-    warps takes an SMEM step; 8- or 16-byte chunks; values kept or recomputed) and orders."""
-    with mosaic_constants(monkeypatch, H_PROGRAM_ROWS=rows, H_CHUNK=chunk, H_KEEP_CHUNKS=keep,
-                          FUSED_ITEM_BLOCKS=blocks):
+    warps takes an SMEM step; 8- or 16-byte chunks; values kept or recomputed)."""
+    with mosaic_constants(monkeypatch, H_PROGRAM_ROWS=rows, H_CHUNK=chunk, H_KEEP_CHUNKS=keep):
         check_compiled(fmt, (1, 1), 12, True, inter=inter, variant=variant)
 
 

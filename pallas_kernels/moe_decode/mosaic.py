@@ -61,9 +61,9 @@ f16 rows in sorted order (``rows.x_rows``) -> gate_up (x's factors and the gate_
 its epilogue) -> the activation and h's f16 rows (``rows.h_rows``) -> down (h's factors and the
 down bias likewise); each pair's row is picked by the caller's combine (``kernel.pairs_of``,
 fused by XLA). Up to 64 pairs the plan and x's rows are one launch
-(``rows.plan_x_rows``): four. BF16 weights take bf16 rows gathered by XLA. ``fused=True``
-(``slot_mlp``, f16 activations; opt-in, ``FUSE_MLP``) makes gate_up, h and down one launch
-whose programs wait on GMEM semaphores (the comment above ``slot_mlp``).
+(``rows.plan_x_rows``): four. BF16 weights take bf16 rows gathered by XLA. With f16
+activations at ``FUSE_MLP_TOKENS`` tokens (``fused``) gate_up, h and down are one launch
+(``slot_mlp``) whose programs wait on GMEM semaphores (the comment above ``slot_mlp``).
 """
 
 from __future__ import annotations
@@ -113,7 +113,6 @@ NUM_STAGES = 3  # TMA stages in flight: 43 KB of SMEM a CTA, 5 CTAs an SM (H200 
 NUM_STAGES_LONG = 4  # the same for K of at least LONG_K_STEPS steps of <= 128 (H200: NOTES)
 LONG_K_STEPS = 20  # gpt-oss's 23 steps of 128 take 4 stages; Qwen3's 16 (gate_up) 3
 NUM_STAGES_WIDE = 2  # the same for FP4 steps of 192 / 256 (20 KB a stage at 256; H200: NOTES)
-FP4_HALF_STEPS = False  # FP4 steps of 256: two wgmmas of 128 in turn (operand registers reused)
 SCALE_PREFETCH = 3  # K steps a scale load is issued before its step (1: the step before)
 WINDOW = ROWS + 8  # activation rows a program reads (the wgmma's N): from an 8-aligned row
 BLOCK_N = 64  # weight rows a program (the wgmma's M)
@@ -349,7 +348,10 @@ def _matmul_program(
             operands_of = functools.partial(_fp4_operands_inline, tile=tile)
         first, advance = ahead(lambda kb: bits_of(at(kb)))
 
-        halves = FP4_HALF_STEPS and bk == 256 and not stage_w
+        # compiled steps of 256 as two wgmmas of 128 in turn, the operand's registers reused:
+        # ptxas 121 -> 80 registers (Qwen3 NVFP4), 132 -> 105 (MXFP4); H200, MXFP4 8 / 64
+        # tokens -4.5% / -3%, NVFP4 even (NOTES, session 24)
+        halves = bk == 256 and not stage_w
 
         def step_operand(kb, w_smem, queue):
             """(this step's operand, its factors, the queue of the steps after it)."""
@@ -1135,15 +1137,23 @@ def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, row_fact
 # One launch for gate_up, h and down (``slot_mlp``).
 # ---------------------------------------------------------------------------------------------
 #
-# A 1-D grid: every gate_up program (item, 64 columns, K split; an item's together), then item
-# by item its ROWS / H_PROGRAM_ROWS h programs and its down programs (``FUSED_ITEM_BLOCKS``).
+# A 1-D grid: every gate_up program (item, 64 columns, K split; an item's together), then every
+# item's ROWS / H_PROGRAM_ROWS h programs, then every item's down programs, each phase in item
+# order (H200: 2-4 us faster than item by item h then down, whose spinning down programs held
+# the slots the next items' h programs needed; NOTES, session 24).
 # The GPU starts programs in grid order, so a program only waits for programs started before
 # it: an h program for its item's gate_up programs (a GMEM semaphore each signals once
 # its TMA stores have completed), a down program for its item's h programs. The semaphores
 # (``pl.get_global``: one array for the whole grid) are zero-filled before the launch; the
 # interpreter runs programs one after another in grid order and has none.
 
-FUSE_MLP = False  # moe_decode_mosaic_pairs' default for f16 activations: slot_mlp's one launch
+# moe_decode_mosaic_pairs' default for f16 activations: the one launch from FUSE_MLP_TOKENS[0]
+# to [1] tokens. H200 steps, three launches -> one: Qwen3 FP8 8 / 32 / 64 tokens 88.4 -> 86.4 /
+# 166 -> 166 / 187 -> 188 us, NVFP4 8 73.3 -> 72.5, gpt-oss FP8 8 217 -> 212; at 1-2 tokens
+# slower (Qwen3 FP8 1 28.9 -> 31.8, 2 39.0 -> 41.0; gpt-oss MXFP4 1 48.9 -> 53.9): there the
+# gate_up programs leave SM slots free, and the down programs spinning in them take issue slots
+# from the latency-bound gate_up programs (NOTES, session 24).
+FUSE_MLP_TOKENS = (8, 32)
 # The h program's shape. ptxas (sm_90a, offline) counts for Qwen3 FP8 the launch's registers a
 # thread: 92 at 1 or 2 rows a program (the slot_matmul kernels alone: 88 / 89), 120 at 4 rows
 # (16-byte chunks kept: 4 CTAs an SM on the H200, measured), 133 at 4 rows recomputed, 254 at
@@ -1153,8 +1163,6 @@ H_PROGRAM_ROWS = 1  # rows of an h program (1, 2, 4, 8 or 16): ROWS / H_PROGRAM_
 H_CHUNK = 2  # h columns a thread of the h program loads at a time (2 or 4: 8- or 16-byte loads)
 H_KEEP_CHUNKS = 16  # chunks a thread keeps in registers between the max and the stores
 FUSED_WAIT = True  # False: the programs skip their waits (wrong results: timing only)
-FUSED_ITEM_BLOCKS = True  # after the gate_up programs: each item's h programs, then its down
-#   programs (else every h program, then every down program)
 
 
 def _h_program_jnp(gu_ref, h_ref, hf_ref, first, count, *, splits: int, rows: int,
@@ -1399,13 +1407,9 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
                 plgpu.semaphore_signal(sems.at[0, u], 1, memory_scope="gpu")
 
     q = pid - n_gu  # then the h and down programs: (item, h part or down program)
-    if FUSED_ITEM_BLOCKS:  # item u's h programs, then its down programs, then item u + 1's
-        u, j = lax.div(q, h_parts + down_per_item), lax.rem(q, h_parts + down_per_item)
-        is_h, part, d = j < h_parts, j, j - h_parts
-    else:  # every item's h programs, then every item's down programs
-        is_h, d = q < h_parts * w, q - h_parts * w
-        u = jnp.where(is_h, lax.div(q, h_parts), lax.div(d, down_per_item))
-        part, d = lax.rem(q, h_parts), lax.rem(d, down_per_item)
+    is_h, d = q < h_parts * w, q - h_parts * w  # all h programs, then all down programs
+    u = jnp.where(is_h, lax.div(q, h_parts), lax.div(d, down_per_item))
+    part, d = lax.rem(q, h_parts), lax.rem(d, down_per_item)
 
     @pl.when((pid >= n_gu) & is_h)
     def _():
@@ -1624,7 +1628,7 @@ def moe_decode_mosaic_pairs(
     k_splits: tuple[int, int] | str = "auto",  # (gate_up, down) K splits; "auto":
     #   choose_k_splits
     fused: bool | None = None,  # gate_up, h and down in one launch (slot_mlp; f16
-    #   activations); None: FUSE_MLP for f16 activations
+    #   activations); None: for f16 activations at FUSE_MLP_TOKENS tokens
     interpret: bool = False,
     extra: ExtraExperts | None = None,  # a second stack: expert ids E .. E + E2 - 1
 ) -> jax.Array:
@@ -1651,7 +1655,7 @@ def moe_decode_mosaic_pairs(
                          f"{down.shape}")
     fp8_block = tuple(block_size) if fmt == "fp8" else None
     if fused is None:
-        fused = FUSE_MLP and fmt != "bf16"
+        fused = fmt != "bf16" and FUSE_MLP_TOKENS[0] <= x.shape[0] <= FUSE_MLP_TOKENS[1]
     elif fused and fmt == "bf16":
         raise NotImplementedError("fused: one launch takes f16 activations (FP8, NVFP4, MXFP4), "
                                   "not BF16 weights")
