@@ -402,7 +402,6 @@ def test_pairs_against_reference(t, k, fmt, variant, patterns):
         assert_pairs_close(out, ref, ids, E)
 
 
-
 FUSED_CASES = [  # (T, k, format, arrays' keywords, variant, routing pattern)
     (3, 3, FP8, dict(bias=True), dict(activation="silu", limit=0.3), "zero_experts"),
     (8, 2, FP8, dict(bias=True, inter=192), dict(  # down's K ragged: 128 + 64

@@ -205,9 +205,7 @@ def _kernel(
     bias: bool,
     **static,  # _matmul_program's
 ):
-    per_stack = _stack_size(static["fmt"])
-    stacks = [rest[i * per_stack:(i + 1) * per_stack] for i in range(num_stacks)]
-    rest = list(rest[num_stacks * per_stack:])
+    stacks, rest = _split_stacks(rest, static["fmt"], num_stacks)
     factor_ref = rest.pop(0) if row_factor else None
     bias_ref = rest.pop(0) if bias else None
     o_gmem, *w_stage = rest
@@ -215,6 +213,14 @@ def _kernel(
     _matmul_program(work_gmem, a_gmem, stacks, factor_ref, bias_ref, o_gmem,
                     w_stage[0] if w_stage else None, u=lax.axis_index("w"),
                     nt=lax.axis_index("n"), split=split, **static)
+
+
+def _split_stacks(refs, fmt: str, num_stacks: int):
+    """``refs``' first ``num_stacks`` weight stacks, each ``_stack_size(fmt)`` refs (w,
+    [scale], [global]), and the refs after them: ``(stacks, rest)``."""
+    size = _stack_size(fmt)
+    stacks = [refs[i * size:(i + 1) * size] for i in range(num_stacks)]
+    return stacks, list(refs[num_stacks * size:])
 
 
 def _matmul_program(
@@ -1361,30 +1367,29 @@ def _proxy_fence():
     fence()
 
 
+def _fused_programs(two_i: int, hidden: int, k_splits: tuple[int, int]) -> tuple[int, int, int]:
+    """An item's programs in each phase of ``slot_mlp``'s grid: (gate_up, h, down)."""
+    return (two_i // BLOCK_N * k_splits[0], ROWS // H_PROGRAM_ROWS,
+            hidden // BLOCK_N * k_splits[1])
+
+
 def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
                   gate_up_bias: bool, down_bias: bool, sync: bool, gate_up: dict, down: dict,
                   h_program: dict):
     """``slot_mlp``'s launch (see the comment above). ``rest``: the gate_up stacks, the down
     stacks (``_kernel``'s), [gate_up bias], [down bias]; out gu [S_gu * R, 2I] f32, h [R, I]
     f16, h factor [R] f32, y [S_down * R, H] f32; [w stages (interpret: gate_up's, down's)]."""
-    per = _stack_size(fmt) * num_stacks
-    gu_stacks, rest = rest[:per], list(rest[per:])
-    down_stacks, rest = rest[:per], rest[per:]
+    gu_stacks, rest = _split_stacks(rest, fmt, num_stacks)
+    down_stacks, rest = _split_stacks(rest, fmt, num_stacks)
     gu_bias = rest.pop(0) if gate_up_bias else None
     dn_bias = rest.pop(0) if down_bias else None
     gu_o, h_o, hf_o, y_o, *stages = rest
     stages = stages or (None, None)
-    size = _stack_size(fmt)
-
-    def split_stacks(flat):
-        return [flat[i * size:(i + 1) * size] for i in range(num_stacks)]
-
     w = work_gmem.shape[1]
     nt_gu, nt_down = gu_o.shape[1] // BLOCK_N, y_o.shape[1] // BLOCK_N
-    gu_per_item = nt_gu * gate_up["k_splits"]  # an item's gate_up programs
-    down_per_item = nt_down * down["k_splits"]
+    gu_per_item, h_parts, down_per_item = _fused_programs(
+        gu_o.shape[1], y_o.shape[1], (gate_up["k_splits"], down["k_splits"]))
     n_gu = w * gu_per_item
-    h_parts = ROWS // H_PROGRAM_ROWS  # h programs an item
     # [2, W], shared by every program (a scratch semaphore would be a program's own), zero-filled
     # before each launch (Pallas' GMEM scratch; the counts are not taken back)
     sems = pl.get_global(plgpu.SemaphoreType.REGULAR((2, w))) if sync else None
@@ -1398,7 +1403,7 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
     def _():
         u = lax.div(pid, gu_per_item)  # an item's programs one after another
         nt, split = tile_split(lax.rem(pid, gu_per_item), nt_gu, gate_up["k_splits"])
-        _matmul_program(work_gmem, a_gmem, split_stacks(gu_stacks), a_factor, gu_bias, gu_o,
+        _matmul_program(work_gmem, a_gmem, gu_stacks, a_factor, gu_bias, gu_o,
                         stages[0], u=u, nt=nt, split=split, fmt=fmt, **gate_up)
         if sync:
             @pl.when(work_gmem[2, u] > 0)
@@ -1449,7 +1454,7 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
                                          memory_scope="gpu")
                 _proxy_fence()  # h's generic stores before the TMA loads
 
-        _matmul_program(work_gmem, h_o, split_stacks(down_stacks), hf_o, dn_bias, y_o,
+        _matmul_program(work_gmem, h_o, down_stacks, hf_o, dn_bias, y_o,
                         stages[1], u=u, nt=nt, split=split, fmt=fmt, **down)
 
 
@@ -1521,10 +1526,8 @@ def slot_mlp(
     fp4 = fmt in _WIDE_FORMATS
     # interpret mode: h's columns padded to whole K steps (the TMA's zero fill past K)
     h_cols = num_k_steps(inter, tiles[1]) * tiles[1].block_k if interpret else inter
-    work_items_ = work.shape[1]
     splits_gu, splits_down = k_splits
-    programs = work_items_ * (two_i // BLOCK_N * splits_gu + ROWS // H_PROGRAM_ROWS
-                              + hidden // BLOCK_N * splits_down)
+    programs = work.shape[1] * sum(_fused_programs(two_i, hidden, k_splits))
     scratch = [_w_stage(t, jnp.float16) for t in tiles] if interpret else []
     kernel = plgpu.kernel(
         functools.partial(
