@@ -40,6 +40,7 @@ from benchmarks._common import (  # noqa: E402
 from benchmarks.moe_decode import SHAPES, make_layer, rel_err  # noqa: E402
 from pallas_kernels.moe_decode import moe_decode, moe_decode_pairs_reference  # noqa: E402
 from pallas_kernels.moe_decode.mosaic import (  # noqa: E402
+    choose_item_rows,
     choose_slot_tile,
     moe_decode_mosaic_pairs,
 )
@@ -122,8 +123,9 @@ def bench(shapes, formats, token_counts, stages, *, hbm: float, profile: bool = 
                            MB=nbytes / 1e6)
                 variants = {"triton": _steps(fmt, static)[0]}
                 for s, splits in itertools.product(stages, k_splits):
-                    tiles = (choose_slot_tile(cfg.hidden_size, s, fmt),
-                             choose_slot_tile(cfg.intermediate_size, s, fmt))
+                    r = choose_item_rows(tokens)
+                    tiles = (choose_slot_tile(cfg.hidden_size, s, fmt, rows=r),
+                             choose_slot_tile(cfg.intermediate_size, s, fmt, rows=r))
                     name = f"mosaic_s{s}" + ("" if splits == "auto" else
                                              "_k" + "x".join(map(str, splits)))
                     variants[name] = _steps(fmt, static, tiles, splits)[1]

@@ -13,7 +13,7 @@ wheels ``jax-cuda13-pjrt==0.11.2`` and ``jax-cuda13-plugin==0.11.2`` unpacked in
 then ``unzip`` each into one directory); nothing is installed.
 
     python benchmarks/mosaic_registers.py --plugins DIR [--case qwen3-fp8 ...]
-        [--set H_PROGRAM_ROWS=1 ...]
+        [--set H_PROGRAM_ROWS=1 ...] [--rows 8]
 
 Cases: ``{qwen3,gptoss}-{fp8,nvfp4,mxfp4}`` (Qwen3-30B-A3B, gpt-oss-120b; 64 pairs); each row
 of the table is the one-launch kernel (``slot_mlp``) and the two ``slot_matmul`` kernels.
@@ -66,7 +66,7 @@ CASES = {  # (format, H, I, gate_up kwargs of slot_mlp)
 KERNELS = ("slot_mlp", "gate_up", "down")
 
 
-def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str]) -> None:
+def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str], rows: int) -> None:
     """In a child process: lower ``kernel`` of ``case`` and hand it to ``MosaicGpuCompile``,
     which prints ptxas's report (``MOSAIC_GPU_DUMP_PTXAS``)."""
     import jax
@@ -76,6 +76,7 @@ def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str]) -> None
 
     from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout
     from pallas_kernels.moe_decode import mosaic
+    from pallas_kernels.moe_decode.kernel import num_items
 
     for item in sets:
         name, value = item.split("=", 1)
@@ -99,10 +100,11 @@ def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str]) -> None
         return [w, spec((e, n, k // 32), jnp.uint8)]
 
     gu, dn = stack(2 * inter, h), stack(h, inter)
-    tiles = (mosaic.choose_slot_tile(h, fmt=fmt), mosaic.choose_slot_tile(inter, fmt=fmt))
+    tiles = (mosaic.choose_slot_tile(h, fmt=fmt, rows=rows),
+             mosaic.choose_slot_tile(inter, fmt=fmt, rows=rows))
     fp8_block = (128, 128) if fmt == "fp8" else None
-    rows = mosaic.window_rows(p)
-    work = spec((3, e + p // mosaic.ROWS), jnp.int32)
+    work = spec((3, num_items(e, p, rows)), jnp.int32)
+    rows = mosaic.window_rows(p, rows)
     if kernel == "slot_mlp":
         names = ["gate_up", "down", "gate_up_scale", "down_scale", "gate_up_global_scale",
                  "down_global_scale"][:2 * len(gu)]
@@ -140,10 +142,13 @@ def main() -> None:
     parser.add_argument("--cuda-root", type=Path, default=Path("/usr/local/cuda"))
     parser.add_argument("--case", nargs="+", choices=list(CASES), default=["qwen3-fp8"])
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--rows", type=int, default=16,
+                        help="the work items' rows (SlotTile.rows: windows of 8 / 16 / 24 rows "
+                             "for 1 / 2-9 / 10-16; choose_item_rows(T) at T tokens)")
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # (case, kernel): the child
     args = parser.parse_args()
     if args.one:
-        _compile_one(*args.one, args.plugins, args.set)
+        _compile_one(*args.one, args.plugins, args.set, args.rows)
         return
     if not (args.plugins / "jax_plugins" / "xla_cuda13" / "xla_cuda_plugin.so").exists():
         sys.exit(f"--plugins {args.plugins}: no jax_plugins/xla_cuda13/xla_cuda_plugin.so (see "
@@ -157,7 +162,7 @@ def main() -> None:
                    MOSAIC_GPU_CUDA_ROOT=str(args.cuda_root),
                    MOSAIC_GPU_RUNTIME_LIB_PATH=str(args.plugins / "jax_cuda13_plugin"
                                                    / "libmosaic_gpu_runtime.so"))
-        print(f"settings: {' '.join(args.set) or '(the code)'}\n")
+        print(f"settings: {' '.join(args.set) or '(the code)'}, items of {args.rows} rows\n")
         print("| case | " + " | ".join(f"{k} registers" for k in KERNELS) + " |")
         print("|---" * (len(KERNELS) + 1) + "|")
         for case in args.case:
@@ -165,7 +170,8 @@ def main() -> None:
             for kernel in KERNELS:
                 out = subprocess.run(
                     [sys.executable, __file__, "--plugins", str(args.plugins), "--one", case,
-                     kernel, "--set", *args.set], env=env, capture_output=True, text=True)
+                     kernel, "--rows", str(args.rows), "--set", *args.set], env=env,
+                    capture_output=True, text=True)
                 text = out.stdout + out.stderr
                 used = [ln for ln in text.splitlines() if "Used" in ln and "registers" in ln]
                 counts.append(used[0].split("Used")[1].split("registers")[0].strip() if used

@@ -32,6 +32,7 @@ from pallas_kernels.moe_decode.mosaic import (
     ROWS,
     SlotTile,
     _natural_order,
+    choose_item_rows,
     choose_k_splits,
     choose_slot_tile,
     format_name,
@@ -41,6 +42,7 @@ from pallas_kernels.moe_decode.mosaic import (
     slot_matmul,
     slot_matmul_reference,
     slot_mlp,
+    window,
     window_rows,
     work_items,
 )
@@ -206,36 +208,74 @@ def test_compiled_slot_matmul_epilogue(fmt, k, k_splits, bias_dtype):
     check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, bias_dtype=bias_dtype)
 
 
+SMALL_WINDOW_CASES = [(1, FP8, 256, 1), (8, FP8, 128, 1), (9, BF16, 256, 2), (1, NVFP4, 512, 1),
+                      (8, MXFP4, 512, 2), (3, NVFP4, 384, 1)]
+
+
+@pytest.mark.parametrize("item_rows,fmt,k,k_splits", SMALL_WINDOW_CASES, ids=str)
+def test_slot_matmul_small_windows(item_rows, fmt, k, k_splits):
+    """Items of at most 1 / 3 / 8 / 9 rows (``SlotTile.rows``) in windows of 8 / 16 / 16 /
+    16 rows (the wgmma's N), the epilogue's factors and bias in; each set bit of a row count
+    one store."""
+    check_slot_matmul(fmt, k, compiled=False, k_splits=k_splits, item_rows=item_rows,
+                      bias_dtype=jnp.float32)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
+@pytest.mark.parametrize("item_rows,fmt,k,k_splits", SMALL_WINDOW_CASES, ids=str)
+def test_compiled_slot_matmul_small_windows(item_rows, fmt, k, k_splits):
+    """The compiled small windows: wgmma N of 8 and 16, the factors' loads a window."""
+    check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, item_rows=item_rows,
+                      bias_dtype=jnp.float32)
+
+
+def test_item_rows_and_windows():
+    """Items of min(16, T) rows at T tokens, read in windows of 8 (1 row), 16 (2-9), 24 (10-16)
+    from an 8-aligned row; a ``SlotTile``'s rows in [1, 16]."""
+    assert [choose_item_rows(t) for t in (1, 2, 3, 9, 16, 64)] == [1, 2, 3, 9, 16, 16]
+    assert [window(r) for r in (1, 2, 9, 10, 16)] == [8, 16, 16, 24, 24]
+    assert SlotTile(rows=3).window == 16 and SlotTile().window == 24
+    assert window_rows(45, 1) == 48 and window_rows(45) == 64
+    assert choose_slot_tile(768, fmt="fp8", rows=2).rows == 2
+    for bad in (0, 17, 2.0):
+        with pytest.raises(ValueError, match="SlotTile.rows: expected an int in"):
+            SlotTile(rows=bad)
+
+
 def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, block_k: int | None = None,
-                      bias_dtype=None, num_stages: int | None = None):
+                      bias_dtype=None, num_stages: int | None = None, item_rows: int = ROWS):
     rng = np.random.default_rng(3)
     n, p = 128, 45  # two 64-row column tiles
     fp8_block = FP8_BLOCK
     w = make_weights(rng, fmt, n, k, e=4, fp8_block=fp8_block, global_rows=2)
     scale, global_scale = w.get("scale"), w.get("global_scale")
     name = format_name(fmt, w["w"].dtype)
-    # (expert, first row, rows): rows 0-15, 16 (1 row), 19-31 (13), 33-39 (7), 42-44 (3)
-    work = jnp.asarray(np.array([[2, 0, 16], [0, 16, 1], [3, 19, 13], [1, 33, 7],
-                                 [4, 0, 0], [2, 42, 3]]).T, jnp.int32)
+    # (expert, first row, rows): rows 0-15, 16 (1 row), 19-31 (13), 33-39 (7), 42-44 (3), each
+    # cut into items of at most item_rows rows
+    work = [(e, r0 + c, min(item_rows, count - c)) if count else (e, r0, 0)
+            for e, r0, count in [(2, 0, 16), (0, 16, 1), (3, 19, 13), (1, 33, 7), (4, 0, 0),
+                                 (2, 42, 3)] for c in range(0, max(count, 1), item_rows)]
+    work = jnp.asarray(np.array(work).T, jnp.int32)
     a_dtype = jnp.bfloat16 if fmt is BF16 else jnp.float16
-    a = jnp.asarray(rng.standard_normal((window_rows(p), k)), a_dtype)
-    tile = choose_slot_tile(k, num_stages) if block_k is None else SlotTile(
-        block_k=block_k, num_stages=num_stages or mosaic.NUM_STAGES)
+    rows = window_rows(p, item_rows)
+    a = jnp.asarray(rng.standard_normal((rows, k)), a_dtype)
+    tile = choose_slot_tile(k, num_stages, rows=item_rows) if block_k is None else SlotTile(
+        block_k=block_k, num_stages=num_stages or mosaic.NUM_STAGES, rows=item_rows)
     a_kernel = permute_fp4_activations(a, tile) if fmt in FP4 else a
     fp8_block = fp8_block if fmt is FP8 else None
     epilogue = {}
     if bias_dtype is not None:
         epilogue = dict(
-            row_factor=jnp.asarray(2.0 ** rng.integers(-20, 8, window_rows(p)), jnp.float32),
+            row_factor=jnp.asarray(2.0 ** rng.integers(-20, 8, rows), jnp.float32),
             bias=jnp.asarray(rng.standard_normal((4, n)), bias_dtype))
     out = slot_matmul(work, a_kernel, w["w"], scale, None, global_scale, fmt=name,
                       fp8_block=fp8_block, tile=tile, k_splits=k_splits,
                       interpret=not compiled, **epilogue)
     ref = slot_matmul_reference(work, a, w["w"], scale, global_scale, fmt=name,
                                 fp8_block=fp8_block, **epilogue)
-    chex.assert_shape(out, (window_rows(p), n))
+    chex.assert_shape(out, (rows, n))
     out, ref = np.asarray(out), np.asarray(ref)
-    owned = np.zeros(window_rows(p), bool)
+    owned = np.zeros(rows, bool)
     for _, first, rows in np.asarray(work).T:
         owned[first:first + rows] = True
     if not compiled:  # the interpreter's outputs start NaN
@@ -258,26 +298,28 @@ def test_fp4_rows_and_scales_far_apart(fmt):
 
 @pytest.mark.parametrize("pattern", ["random", "repeated", "one_expert", "zero_experts",
                                      "all_zero", "dup_in_token"])
-@pytest.mark.parametrize("t,k", [(1, 4), (8, 2), (21, 6), (64, 6)])
-def test_work_items_cut_each_slot_into_chunks(pattern, t, k):
-    """Items hold 1..16 rows of one expert, in order, covering every routed row once and no
-    other row; items past the last are (E, routed rows, 0); the static bound W = U + cdiv(P,
-    16) holds. The Pallas plan launches (a pairwise program up to 32 pairs, then a radix-sort
-    program) cut the same items as XLA's cut of the XLA plan."""
+@pytest.mark.parametrize("t,k,item_rows", [(1, 4, 16), (1, 4, 1), (8, 2, 16), (8, 2, 3),
+                                           (21, 6, 16), (21, 6, 8), (64, 6, 16)])
+def test_work_items_cut_each_slot_into_chunks(pattern, t, k, item_rows):
+    """Items hold 1..item_rows rows of one expert, in order, covering every routed row once
+    and no other row (repeated experts of a token, "dup_in_token", make runs longer than T:
+    cut too); items past the last are (E, routed rows, 0); the static bound W = min(U +
+    cdiv(P, item_rows), P) holds. The Pallas plan launches (a pairwise program up to 32 pairs,
+    then a radix-sort program) cut the same items as XLA's cut of the XLA plan."""
     ids = routing(pattern, t, k)
     plan = make_plan(ids, E)
     assert plan.items is None
-    items = np.asarray(work_items(plan, E))
-    in_plan = make_plan(ids, E, pallas=True, interpret=True, item_rows=ROWS)
+    items = np.asarray(work_items(plan, E, item_rows))
+    in_plan = make_plan(ids, E, pallas=True, interpret=True, item_rows=item_rows)
     assert (in_plan.items is None) == (t * k > RADIX_PLAN_MAX_PAIRS)
     np.testing.assert_array_equal(in_plan.work, plan.work)
-    np.testing.assert_array_equal(work_items(in_plan, E), items)
+    np.testing.assert_array_equal(work_items(in_plan, E, item_rows), items)
     expert, first, rows = np.asarray(plan.work)
     p = t * k
-    chex.assert_shape(items, (3, min(E, p) + -(-p // ROWS)))
+    chex.assert_shape(items, (3, min(min(E, p) + -(-p // item_rows), p)))
     ie, istart, icount = items
     live = icount > 0
-    assert (icount <= ROWS).all() and (icount >= 0).all()
+    assert (icount <= item_rows).all() and (icount >= 0).all()
     assert not live[live.sum():].any(), "unused items last"
     np.testing.assert_array_equal(ie[~live], E)
     np.testing.assert_array_equal(istart[~live], rows.sum())
@@ -325,6 +367,8 @@ def test_slot_matmul_bad_inputs_raise():
     a = jnp.zeros((window_rows(4), 128), jnp.float16)
     with pytest.raises(ValueError, match="one window"):
         slot_matmul(work, a[:10], w, s, fp8_block=FP8_BLOCK)
+    with pytest.raises(ValueError, match=r"8 rows \(one window of tile.rows=1\), got 7"):
+        slot_matmul(work, a[:7], w, s, fp8_block=FP8_BLOCK, tile=SlotTile(rows=1))
     with pytest.raises(ValueError, match="k_splits: expected a positive int dividing the 1 K"):
         slot_matmul(work, a, w, s, fp8_block=FP8_BLOCK, k_splits=2)
     with pytest.raises(ValueError, match=r"scale: expected \(2, 2, 1\)"):
@@ -482,6 +526,8 @@ def test_fused_launch_extra_stack_and_bad_inputs():
         slot_mlp(work, a.astype(jnp.bfloat16), factor, *args, **opts)
     with pytest.raises(ValueError, match=r"a_factor: expected \[24\] float32"):
         slot_mlp(work, a, factor[:8], *args, **opts)
+    with pytest.raises(ValueError, match="tiles: expected the same rows in both"):
+        slot_mlp(work, a, factor, *args, tiles=(SlotTile(rows=1), SlotTile()), **opts)
     with pytest.raises(NotImplementedError, match="slot_mlp: f16 activations"):
         bf = arrays(BF16)
         slot_mlp(work, a, factor, bf["gate_up"], bf["down"], interpret=True)
@@ -547,6 +593,9 @@ def test_pairs_bad_inputs_raise():
     with pytest.raises(ValueError, match="down: expected shape"):
         moe_decode_mosaic_pairs(x_rows(2), ids, interpret=True,
                                 **dict(kw, down=kw["down"][:, :64]))
+    with pytest.raises(ValueError, match="tile: expected the same rows in both"):
+        moe_decode_mosaic_pairs(x_rows(2), ids, interpret=True, **kw,
+                                tile=(SlotTile(rows=2), SlotTile(rows=4)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -746,8 +795,8 @@ class TestLowersForHopper:
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
-@pytest.mark.parametrize("t", [1, 12, 33])  # 4, 48 and 132 pairs: the plan and x rows in one
-#   launch (pairwise plan; radix plan), then in two
+@pytest.mark.parametrize("t", [1, 9, 33])  # 4, 36 and 132 pairs: the plan and x rows in one
+#   launch (pairwise plan; radix plan), then in two; windows of 8, 16 and 24 rows
 @pytest.mark.parametrize("fmt,k_splits", [
     (FP8, (1, 1)), (BF16, (1, 1)), (NVFP4, (1, 1)), (MXFP4, (1, 1)), (FP8, (2, 2)),
     (NVFP4, (4, 2)), (MXFP4, (2, 1))], ids=str)

@@ -103,11 +103,12 @@ def test_plan_x_rows_runs_of_several_items(t, k):
     check_plan_x_rows(jnp.asarray(ids), block_k=128)
 
 
-def test_plan_x_rows_more_items_than_rows():
-    """20 pairs on 20 distinct experts of 128 in 20 rows: more work items (22) than rows."""
+def test_plan_x_rows_as_many_items_as_rows():
+    """20 pairs on 20 distinct experts of 128 in 20 rows: 20 work items, one a row (the bound
+    min(U + cdiv(P, 16), P) at P), every row program writing one."""
     ids = jnp.asarray(np.random.default_rng(1).permutation(128)[:20, None], jnp.int32)
     want = check_plan_x_rows(ids, num_experts=128, rows=20)
-    assert want.items.shape[1] > 20
+    assert want.items.shape[1] == 20
 
 
 def test_row_warps():

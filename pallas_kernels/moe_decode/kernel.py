@@ -298,8 +298,9 @@ def _plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *items_re
 
 
 def num_items(slots: int, pairs: int, item_rows: int) -> int:
-    """A static bound on the work items: ``sum(cdiv(rows_u, item_rows)) <= U + P / item_rows``."""
-    return slots + pl.cdiv(pairs, item_rows)
+    """A static bound on the work items: ``sum(cdiv(rows_u, item_rows))`` is at most ``U +
+    cdiv(P, item_rows)``, and at most ``P`` (an item has a row)."""
+    return min(slots + pl.cdiv(pairs, item_rows), pairs)
 
 
 def _plan_call(kernel, expert_ids: jax.Array, num_experts: int, *, name: str, num_warps: int,

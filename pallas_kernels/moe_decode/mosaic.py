@@ -10,20 +10,22 @@ e4m3 -> f16 in registers (``cvt.rn.f16x2.e4m3x2``, one warp shuffle to the 16-bi
 layout), and into ``wgmma`` as the A operand: no second trip through SMEM.
 
 Work items. The decode plan (``kernel.make_plan``: pairs sorted by expert, one slot per
-distinct expert) is cut into chunks of at most 16 rows (``work_items``): work item ``w`` owns
+distinct expert) is cut into chunks of at most ``r = choose_item_rows(T)`` rows (``min(16,
+T)``: at T tokens no expert of top-k routing has more; ``work_items``): work item ``w`` owns
 sorted rows ``[start_w, start_w + count_w)`` of one expert ``e_w``; there are at most
-``U + P / 16`` of them (a static bound; unused items have 0 rows and their programs exit at
-once). The activations come in sorted-row order ``a [R, K]`` (``R = window_rows(P)``: the
-rows past ``P`` are read by the last windows only): a program reads the 24-row window from
-``start_w`` rounded down to a multiple of 8 (a TMA into tiled SMEM starts at an 8-aligned row)
-and its item's rows sit at offset ``start_w % 8`` in it.
+``min(U + P / r, P)`` of them (a static bound; unused items have 0 rows and their programs
+exit at once). The activations come in sorted-row order ``a [R, K]`` (``R = window_rows(P,
+r)``: the rows past ``P`` are read by the last windows only): a program reads the window of
+``window(r)`` rows (8 at 1 token, 16 at 2-9, 24 from 10) from ``start_w`` rounded down to a
+multiple of 8 (a TMA into tiled SMEM starts at an 8-aligned row) and its item's rows sit at
+offset ``start_w % 8`` in it.
 
 Kernel (``slot_matmul``): ``out[r, n] = sum_k w[e_w, n, k] * scale(e_w, n, k) * a[r, k]`` for
 every sorted row ``r`` of every item, in sorted-row order like the Triton kernels' output
 (``out`` has ``a``'s R rows, so the glue between the launches needs no padding copies); other
 rows of ``out`` are not written. Grid ``(W, N / 64[, k_splits])``, one warpgroup a program:
-``BLOCK_N`` = 64 weight rows are the wgmma's M, the 24-row window its N.
-The transposed accumulator ``[64, 24]`` is stored transposed into SMEM (``WGMMA_TRANSPOSED``
+``BLOCK_N`` = 64 weight rows are the wgmma's M, the window its N.
+The transposed accumulator ``[64, window]`` is stored transposed into SMEM (``WGMMA_TRANSPOSED``
 layout) and the item's rows leave by TMA, one store per set bit of its row count (a TMA box
 has a static shape; no other row is touched). Before the store the epilogue multiplies each
 row by its ``row_factor`` (the activation rows' scale back out of f16) and adds the expert's
@@ -55,7 +57,7 @@ in tiles of the 32-byte swizzle. The codes keep the checkpoint's layout.
 Interpret mode builds the same operands with jnp (``_fp4_operands_jnp``).
 
 The full decode step (``moe_decode_mosaic_pairs``), five launches up to 1024 pairs: the plan
-with its work items (``kernel.make_plan(item_rows=ROWS)``: one Pallas launch, pairwise up to 32
+with its work items (``kernel.make_plan(item_rows=)``: one Pallas launch, pairwise up to 32
 pairs, a radix sort up to 1024; past that XLA's plan and its item cut, ``work_items``) -> x's
 f16 rows in sorted order (``rows.x_rows``) -> gate_up (x's factors and the gate_up bias in
 its epilogue) -> the activation and h's f16 rows (``rows.h_rows``) -> down (h's factors and the
@@ -108,25 +110,51 @@ from pallas_kernels.moe_decode.kernel import (
 )
 from pallas_kernels.moe_decode.rows import h_rows, plan_x_rows, x_rows
 
-ROWS = 16  # rows of one work item
+ROWS = 16  # the most rows of one work item
 NUM_STAGES = 3  # TMA stages in flight: 43 KB of SMEM a CTA, 5 CTAs an SM (H200 sweep: NOTES)
 NUM_STAGES_LONG = 4  # the same for K of at least LONG_K_STEPS steps of <= 128 (H200: NOTES)
 LONG_K_STEPS = 20  # gpt-oss's 23 steps of 128 take 4 stages; Qwen3's 16 (gate_up) 3
 NUM_STAGES_WIDE = 2  # the same for FP4 steps of 192 / 256 (20 KB a stage at 256; H200: NOTES)
 SCALE_PREFETCH = 3  # K steps a scale load is issued before its step (1: the step before)
-WINDOW = ROWS + 8  # activation rows a program reads (the wgmma's N): from an 8-aligned row
 BLOCK_N = 64  # weight rows a program (the wgmma's M)
+# Items of at most T rows at T tokens (a token's experts are distinct, so no expert has more
+# rows): windows of 8 rows at 1 token, 16 at 2-9, 24 from 10. H200, windows of 24 -> 16: Qwen3
+# FP8 / NVFP4 / MXFP4 8 tokens 87.0 -> 84.5 / 70.9 -> 64.5 / 76.5 -> 67.9 us (NOTES, session
+# 25). MIN_ITEM_ROWS: the fewest rows an item is cut to (a wider window at 1 token).
+MIN_ITEM_ROWS = 1
+
+
+def window(rows: int) -> int:
+    """Activation rows a program reads (the wgmma's N) for items of at most ``rows`` rows: from
+    the item's first row rounded down to a multiple of 8 (a TMA into tiled SMEM starts at an
+    8-aligned row) past its last: 8 for 1 row, 16 for 2-9, 24 for 10-16."""
+    return 8 * -(-(7 + rows) // 8)
+
+
+def choose_item_rows(tokens: int) -> int:
+    """Pure heuristic: the rows work items are cut to at ``tokens`` tokens, ``min(ROWS,
+    tokens)`` (at least ``MIN_ITEM_ROWS``): no expert of distinct top-k routing gets more,
+    so no expert's weights are read by two items of the same program tile."""
+    return max(MIN_ITEM_ROWS, min(ROWS, tokens))
 
 
 @dataclasses.dataclass(frozen=True)
 class SlotTile:
     """Tile of one program (one warpgroup, ``BLOCK_N`` weight rows): ``block_k`` of K per
-    pipeline step, ``num_stages`` TMA stages in flight."""
+    pipeline step, ``num_stages`` TMA stages in flight, work items of at most ``rows`` rows
+    (the caller's contract), read in activation windows of ``window(rows)`` rows."""
 
     block_k: int = 128
     num_stages: int = NUM_STAGES
+    rows: int = ROWS
+
+    @property
+    def window(self) -> int:
+        return window(self.rows)
 
     def __post_init__(self):
+        if not isinstance(self.rows, int) or not 1 <= self.rows <= ROWS:
+            raise ValueError(f"SlotTile.rows: expected an int in [1, {ROWS}], got {self.rows!r}")
         if self.block_k not in (64, 128, 192, 256):
             raise ValueError(
                 f"SlotTile.block_k: expected 64, 128, 192 or 256, got {self.block_k!r}")
@@ -135,13 +163,14 @@ class SlotTile:
                 f"SlotTile.num_stages: expected an int in [2, 8], got {self.num_stages!r}")
 
 
-def choose_slot_tile(k: int, num_stages: int | None = None, fmt: str | None = None) -> SlotTile:
+def choose_slot_tile(k: int, num_stages: int | None = None, fmt: str | None = None,
+                     rows: int = ROWS) -> SlotTile:
     """Pure heuristic: K steps of 128 where they divide K, else 64; FP8 and BF16 (``fmt``)
     take steps of 128 for any K that is a multiple of 64 (the last step ragged), NVFP4 and
     MXFP4 steps of 256 where those divide K, else of 192 where those do (gpt-oss's 2880: 15
     steps). Stages: ``NUM_STAGES``, ``NUM_STAGES_LONG`` where K is ``LONG_K_STEPS`` steps or
     more (gpt-oss's 2880: 23 of 128), ``NUM_STAGES_WIDE`` for steps of 192 / 256, unless
-    given."""
+    given. ``rows``: the items' rows (``choose_item_rows``)."""
     if fmt in _WIDE_FORMATS and k % 256 == 0:
         block_k = 256
     elif fmt in _WIDE_FORMATS and k % 192 == 0:
@@ -152,7 +181,7 @@ def choose_slot_tile(k: int, num_stages: int | None = None, fmt: str | None = No
         num_stages = NUM_STAGES_WIDE
     elif num_stages is None:
         num_stages = NUM_STAGES_LONG if -(-k // block_k) >= LONG_K_STEPS else NUM_STAGES
-    return SlotTile(block_k=block_k, num_stages=num_stages)
+    return SlotTile(block_k=block_k, num_stages=num_stages, rows=rows)
 
 
 def num_k_steps(k: int, tile: SlotTile) -> int:
@@ -175,10 +204,10 @@ def choose_k_splits(items: int, n: int, k: int, tile: SlotTile, *, sms: int = 13
     return best
 
 
-def window_rows(num_rows: int) -> int:
-    """Rows the activations need so that every item's window lies inside them: the last
-    window starts at most at ``num_rows`` rounded up to 8, minus 8."""
-    return -(-num_rows // 8) * 8 + WINDOW - 8
+def window_rows(num_rows: int, rows: int = ROWS) -> int:
+    """Rows the activations need so that every window of items of at most ``rows`` rows lies
+    inside them: the last window starts at most at ``num_rows`` rounded up to 8, minus 8."""
+    return -(-num_rows // 8) * 8 + window(rows) - 8
 
 
 def _transforms(row_bytes: int, itemsize: int):
@@ -247,7 +276,7 @@ def _matmul_program(
     ``[nt * BLOCK_N, (nt + 1) * BLOCK_N)``, K split ``split``, stored to ``o_gmem``."""
     stage_w = w_stage is not None
     w_dtype = stacks[0][0].dtype
-    bn, bk = BLOCK_N, tile.block_k
+    bn, bk, wn = BLOCK_N, tile.block_k, tile.window
     num_steps = num_k_steps(k, tile) // k_splits  # K steps of this program
 
     def at(kb):
@@ -290,7 +319,7 @@ def _matmul_program(
                                  w_row_bytes, w_dtype.itemsize))
     # 16-bit weights: the wgmma of step kb still reads its activation tile while step kb + 1
     # runs (delay_release), each step waits only for the one before.
-    a_spec = plgpu.BlockSpec((WINDOW, bk), lambda kb: (0, at(kb)),
+    a_spec = plgpu.BlockSpec((wn, bk), lambda kb: (0, at(kb)),
                              transforms=_transforms(bk * a_dtype.itemsize, a_dtype.itemsize),
                              delay_release=1 if fmt == "bf16" else 0)
 
@@ -323,13 +352,13 @@ def _matmul_program(
             w = operand(w_smem)
 
             def one_step(part):
-                plgpu.wgmma(part, w, a_smem.transpose((1, 0)))  # [bn, bk] x [bk, WINDOW]
+                plgpu.wgmma(part, w, a_smem.transpose((1, 0)))  # [bn, bk] x [bk, wn]
                 return part[...]
 
-            part = pl.run_scoped(one_step, plgpu.ACC((bn, WINDOW), jnp.float32))
+            part = pl.run_scoped(one_step, plgpu.ACC((bn, wn), jnp.float32))
             return acc + part * s, queue
 
-        zeros = plgpu.layout_cast(jnp.zeros((bn, WINDOW), jnp.float32), plgpu.Layout.WGMMA)
+        zeros = plgpu.layout_cast(jnp.zeros((bn, wn), jnp.float32), plgpu.Layout.WGMMA)
         acc, _ = plgpu.emit_pipeline(
             step, grid=(num_steps,), in_specs=[w_spec, a_spec],
             max_concurrent_steps=tile.num_stages, init_carry=(zeros, first),
@@ -371,7 +400,7 @@ def _matmul_program(
             the previous wgmma (their registers reused). (factors, queue)."""
             if not halves:
                 w, factors, queue = step_operand(kb, w_smem, queue)
-                plgpu.wgmma(acc_ref, w, a_smem.transpose((1, 0)))  # [bn, bk] x [bk, WINDOW]
+                plgpu.wgmma(acc_ref, w, a_smem.transpose((1, 0)))  # [bn, bk] x [bk, wn]
                 plgpu.wgmma_wait(0)  # w's registers and the activation tile are free again
                 return factors, queue
             bits, queue = advance(kb, queue)
@@ -391,20 +420,20 @@ def _matmul_program(
                         factors, queue_ = step_mma(part, idx[0], w_smem, a_smem, queue)
                         return part[...], factors, queue_
 
-                    part, factors, queue = pl.run_scoped(mma, plgpu.ACC((bn, WINDOW),
+                    part, factors, queue = pl.run_scoped(mma, plgpu.ACC((bn, wn),
                                                                         jnp.float32))
                 else:
                     w, factors, queue = step_operand(idx[0], w_smem, queue)
 
                     def mma(part):
-                        plgpu.wgmma(part, w, a_smem.transpose((1, 0)))  # [bn, bk] x [bk, WINDOW]
+                        plgpu.wgmma(part, w, a_smem.transpose((1, 0)))  # [bn, bk] x [bk, wn]
                         return part[...]
 
-                    part = pl.run_scoped(mma, plgpu.ACC((bn, WINDOW), jnp.float32))
-                part = part * lax.broadcast_in_dim(factors[1], (bn, WINDOW), [0])
+                    part = pl.run_scoped(mma, plgpu.ACC((bn, wn), jnp.float32))
+                part = part * lax.broadcast_in_dim(factors[1], (bn, wn), [0])
                 return acc + part, queue
 
-            zeros = plgpu.layout_cast(jnp.zeros((bn, WINDOW), jnp.float32), plgpu.Layout.WGMMA)
+            zeros = plgpu.layout_cast(jnp.zeros((bn, wn), jnp.float32), plgpu.Layout.WGMMA)
             acc, _ = plgpu.emit_pipeline(
                 step, grid=(num_steps,), in_specs=[w_spec, a_spec],
                 max_concurrent_steps=tile.num_stages, init_carry=(zeros, first),
@@ -426,7 +455,7 @@ def _matmul_program(
             )(w_tile, a_tile)
             return acc_ref[...]
 
-        acc = pl.run_scoped(run, plgpu.ACC((bn, WINDOW), jnp.float32))
+        acc = pl.run_scoped(run, plgpu.ACC((bn, wn), jnp.float32))
         return acc * outer  # the operands held e2m1 * s * 2^-PLACEMENT
 
     def plain_steps(w_tile, a_tile):
@@ -444,14 +473,14 @@ def _matmul_program(
             )(w_tile, a_tile)
             return acc_ref[...]
 
-        return pl.run_scoped(run, plgpu.ACC((bn, WINDOW), jnp.float32))
+        return pl.run_scoped(run, plgpu.ACC((bn, wn), jnp.float32))
 
     def store_rows(o_smem, offset):
         """The item's rows ``[offset, offset + num_rows)`` of ``o_smem`` to ``out`` rows
         ``[out_row, out_row + num_rows)``: one TMA store per set bit of ``num_rows`` (<=
-        ROWS)."""
+        tile.rows)."""
         done = jnp.int32(0)
-        size = ROWS
+        size = 1 << (tile.rows.bit_length() - 1)
         while size >= 1:
             @pl.when(num_rows & size != 0)
             def _(size=size, done=done):
@@ -465,17 +494,18 @@ def _matmul_program(
     def run(w_gmem, *scales, e, bias_ref=None):
         """This item's rows through expert ``e`` of one stack, stored."""
         w_tile = w_gmem.at[e, pl.ds(n0, bn)]
-        a_tile = a_gmem.at[pl.ds(row0, WINDOW)]
+        a_tile = a_gmem.at[pl.ds(row0, wn)]
         # the epilogue's row factors and bias loaded before the steps (their latency hidden)
         if stage_w:
             factors = None if factor_ref is None else lax.broadcast_in_dim(
-                factor_ref[pl.ds(row0, WINDOW)], (bn, WINDOW), [1])
+                factor_ref[pl.ds(row0, wn)], (bn, wn), [1])
             b = None if bias_ref is None else bias_ref[e, pl.ds(n0, bn)].astype(jnp.float32)
         else:
-            factors = None if factor_ref is None else _window_factors_inline(factor_ref, row0)
+            factors = None if factor_ref is None else _window_factors_inline(factor_ref, row0,
+                                                                              wn)
             b = None if bias_ref is None else _row_bias_inline(
                 bias_ref, e * bias_ref.shape[1] + n0)
-        match fmt:  # acc [bn, WINDOW]
+        match fmt:  # acc [bn, wn]
             case "bf16":
                 acc = plain_steps(w_tile, a_tile)
             case "fp8":
@@ -487,7 +517,7 @@ def _matmul_program(
             acc = acc * factors
         if b is not None:  # the bias once: in split 0
             on = jnp.float32(1.0) if split is None else jnp.where(split == 0, 1.0, 0.0)
-            acc = acc + lax.broadcast_in_dim(b * on, (bn, WINDOW), [0])
+            acc = acc + lax.broadcast_in_dim(b * on, (bn, wn), [0])
 
         def store(o_smem):  # o_smem[r, n] = acc[n, r]: the accumulator stored transposed
             o_smem.transpose((1, 0))[...] = plgpu.layout_cast(acc,
@@ -497,7 +527,7 @@ def _matmul_program(
             plgpu.wait_smem_to_gmem(0)
 
         # scoped after the pipeline's scope has closed: the store's SMEM reuses its buffers
-        pl.run_scoped(store, plgpu.SMEM((WINDOW, bn), jnp.float32))
+        pl.run_scoped(store, plgpu.SMEM((wn, bn), jnp.float32))
 
     main_experts = stacks[0][0].shape[0]
 
@@ -641,21 +671,21 @@ def _row_bits(carrier, i):
     return arith.bitcast(ir.IntegerType.get_signless(32), reg)
 
 
-def _window_factors_inline(factor_ref, row0):
-    """``[bn, WINDOW]`` f32 (WGMMA layout), column j ``factor_ref[row0 + j]``: the window
+def _window_factors_inline(factor_ref, row0, wn: int):
+    """``[bn, wn]`` f32 (WGMMA layout), column j ``factor_ref[row0 + j]``: the ``wn`` window
     rows' factors (``row0`` a multiple of 8), each a thread's two columns by one 8-byte load."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT),
-                       return_type=plgpu.ShapeDtypeStruct((BLOCK_N, WINDOW), jnp.float32,
+                       return_type=plgpu.ShapeDtypeStruct((BLOCK_N, wn), jnp.float32,
                                                           layout=plgpu.Layout.WGMMA))
     def load(_, ref, first):
         f32x2 = ir.VectorType.get((2,), ir.F32Type.get())
         _, _, _, quad = _thread_rows()
         ptr = mgpu.utils.memref_ptr(ref)
         # register [0, j, 0, 0, i, ...]: row half i, columns 8j + 2c, 8j + 2c + 1
-        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((BLOCK_N, WINDOW)), object)
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((BLOCK_N, wn)), object)
         at = arith.addi(first.registers.item(), arith.muli(quad, _i32(2)))
-        for j in range(WINDOW // 8):
+        for j in range(wn // 8):
             pair = _load(ptr, arith.muli(arith.addi(at, _i32(8 * j)), _i32(4)), f32x2)
             for i in range(2):
                 regs[0, j, 0, 0, i, 0, 0, 0, 0] = pair
@@ -1042,9 +1072,10 @@ def _checked_bias(bias, e: int, n: int):
 @functools.partial(jax.jit, static_argnames=("fmt", "fp8_block", "tile", "k_splits",
                                              "sum_splits", "interpret"))
 def slot_matmul(
-    work: jax.Array,  # [3, W] int32: expert (>= E: unused), first sorted row, row count <= 16
-    a: jax.Array,  # [R, K] (activation_dtype), sorted rows; R >= window_rows(P) for items
-    #   over the rows [0, P); FP4: permute_fp4_activations(., tile)
+    work: jax.Array,  # [3, W] int32: expert (>= E: unused), first sorted row, row count <=
+    #   tile.rows
+    a: jax.Array,  # [R, K] (activation_dtype), sorted rows; R >= window_rows(P, tile.rows)
+    #   for items over the rows [0, P); FP4: permute_fp4_activations(., tile)
     w: jax.Array,  # [E, N, K] e4m3 | bf16, or FP4 codes [E, N, K/2] u8
     scale: jax.Array | None = None,  # FP8: [E, cdiv(N, b0), cdiv(K, b1)] f32; NVFP4:
     #   [E, N, K/16] e4m3; MXFP4: [E, N, K/32] u8 (E8M0)
@@ -1063,7 +1094,8 @@ def slot_matmul(
 ) -> jax.Array:
     """``out [R, N]`` f32 in sorted-row order, row for row with ``a`` (see the module
     docstring; rows no item owns are not written). Items own rows below ``P`` where ``R >=
-    window_rows(P)`` (every item's window inside ``a``: the caller's contract, data-dependent).
+    window_rows(P, tile.rows)`` and items of at most ``tile.rows`` rows (every item inside its
+    window, every window inside ``a``: the caller's contract, data-dependent).
     The epilogue: ``out[r] = acc[r] * row_factor[r] + bias[e]`` for row r of an item of expert
     e (the factor undoes the activation rows' scaling into f16; the bias is the main stack's,
     and the extra stack's rows get none).
@@ -1076,8 +1108,9 @@ def slot_matmul(
     if work.ndim != 2 or work.shape[0] != 3:
         raise ValueError(f"work: expected shape (3, W), got {work.shape}")
     rows_a = a.shape[0]
-    if rows_a < WINDOW:
-        raise ValueError(f"a: expected at least {WINDOW} rows (one window), got {rows_a}")
+    if rows_a < tile.window:
+        raise ValueError(f"a: expected at least {tile.window} rows (one window of "
+                         f"tile.rows={tile.rows}), got {rows_a}")
     fmt, n, k, global_rows, operands, pad_k = _stack_operands(
         w, scale, global_scale, extra, fmt=fmt, fp8_block=fp8_block, tile=tile,
         k_splits=k_splits, interpret=interpret)
@@ -1144,7 +1177,7 @@ def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, row_fact
 # ---------------------------------------------------------------------------------------------
 #
 # A 1-D grid: every gate_up program (item, 64 columns, K split; an item's together), then every
-# item's ROWS / H_PROGRAM_ROWS h programs, then every item's down programs, each phase in item
+# item's cdiv(rows, H_PROGRAM_ROWS) h programs, then every item's down programs, each phase in item
 # order (H200: 2-4 us faster than item by item h then down, whose spinning down programs held
 # the slots the next items' h programs needed; NOTES, session 24).
 # The GPU starts programs in grid order, so a program only waits for programs started before
@@ -1165,7 +1198,7 @@ FUSE_MLP_TOKENS = (8, 32)
 # (16-byte chunks kept: 4 CTAs an SM on the H200, measured), 133 at 4 rows recomputed, 254 at
 # 16; NVFP4 121 (its kernels alone 121), gpt-oss MXFP4 125 at 1 row (124 alone), 187 at 2
 # (NOTES, session 23).
-H_PROGRAM_ROWS = 1  # rows of an h program (1, 2, 4, 8 or 16): ROWS / H_PROGRAM_ROWS an item
+H_PROGRAM_ROWS = 1  # rows of an h program (1, 2, 4, 8 or 16): cdiv(rows, this) an item
 H_CHUNK = 2  # h columns a thread of the h program loads at a time (2 or 4: 8- or 16-byte loads)
 H_KEEP_CHUNKS = 16  # chunks a thread keeps in registers between the max and the stores
 FUSED_WAIT = True  # False: the programs skip their waits (wrong results: timing only)
@@ -1367,9 +1400,11 @@ def _proxy_fence():
     fence()
 
 
-def _fused_programs(two_i: int, hidden: int, k_splits: tuple[int, int]) -> tuple[int, int, int]:
-    """An item's programs in each phase of ``slot_mlp``'s grid: (gate_up, h, down)."""
-    return (two_i // BLOCK_N * k_splits[0], ROWS // H_PROGRAM_ROWS,
+def _fused_programs(two_i: int, hidden: int, k_splits: tuple[int, int],
+                    rows: int) -> tuple[int, int, int]:
+    """An item (of at most ``rows`` rows)'s programs in each phase of ``slot_mlp``'s grid:
+    (gate_up, h, down)."""
+    return (two_i // BLOCK_N * k_splits[0], -(-rows // H_PROGRAM_ROWS),
             hidden // BLOCK_N * k_splits[1])
 
 
@@ -1388,7 +1423,8 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
     w = work_gmem.shape[1]
     nt_gu, nt_down = gu_o.shape[1] // BLOCK_N, y_o.shape[1] // BLOCK_N
     gu_per_item, h_parts, down_per_item = _fused_programs(
-        gu_o.shape[1], y_o.shape[1], (gate_up["k_splits"], down["k_splits"]))
+        gu_o.shape[1], y_o.shape[1], (gate_up["k_splits"], down["k_splits"]),
+        gate_up["tile"].rows)
     n_gu = w * gu_per_item
     # [2, W], shared by every program (a scratch semaphore would be a program's own), zero-filled
     # before each launch (Pallas' GMEM scratch; the counts are not taken back)
@@ -1511,8 +1547,11 @@ def slot_mlp(
     if two_i != 2 * inter or n_down != hidden:
         raise ValueError(f"down: expected [E, {hidden}, {two_i // 2}] (logical), got "
                          f"[E, {n_down}, {inter}]")
-    if a.shape != (rows, hidden) or a.dtype != jnp.float16 or rows < WINDOW:
-        raise ValueError(f"a: expected [R >= {WINDOW}, {hidden}] float16, got {a.shape} "
+    if tiles[0].rows != tiles[1].rows:
+        raise ValueError(f"tiles: expected the same rows in both (the items'), got "
+                         f"{tiles[0].rows} and {tiles[1].rows}")
+    if a.shape != (rows, hidden) or a.dtype != jnp.float16 or rows < tiles[0].window:
+        raise ValueError(f"a: expected [R >= {tiles[0].window}, {hidden}] float16, got {a.shape} "
                          f"{a.dtype}")
     if a_factor.shape != (rows,) or a_factor.dtype != jnp.float32:
         raise ValueError(f"a_factor: expected [{rows}] float32, got {a_factor.shape} "
@@ -1527,7 +1566,7 @@ def slot_mlp(
     # interpret mode: h's columns padded to whole K steps (the TMA's zero fill past K)
     h_cols = num_k_steps(inter, tiles[1]) * tiles[1].block_k if interpret else inter
     splits_gu, splits_down = k_splits
-    programs = work.shape[1] * sum(_fused_programs(two_i, hidden, k_splits))
+    programs = work.shape[1] * sum(_fused_programs(two_i, hidden, k_splits, tiles[0].rows))
     scratch = [_w_stage(t, jnp.float16) for t in tiles] if interpret else []
     kernel = plgpu.kernel(
         functools.partial(
@@ -1561,27 +1600,27 @@ def slot_mlp(
 # ---------------------------------------------------------------------------------------------
 
 
-def work_items(plan: DecodePlan, num_experts: int) -> jax.Array:
+def work_items(plan: DecodePlan, num_experts: int, item_rows: int = ROWS) -> jax.Array:
     """``[3, W]`` int32 (expert, first sorted row, row count): the decode plan's slots cut into
-    items of at most ``ROWS`` rows, on device; items past the last are ``(num_experts, routed
-    rows, 0)``. ``W = U + cdiv(P, ROWS)`` bounds ``sum(cdiv(rows_u, ROWS))``. The plan's own
-    ``items`` where the Pallas plan launch cut them (``make_plan(item_rows=ROWS)``), else XLA
-    (a cumsum)."""
+    items of at most ``item_rows`` rows, on device; items past the last are ``(num_experts,
+    routed rows, 0)``. ``W = kernel.num_items(U, P, item_rows)`` bounds their number. The
+    plan's own ``items`` where the Pallas plan launch cut them (``make_plan(item_rows=)``,
+    the same ``item_rows``), else XLA (a cumsum)."""
     if plan.items is not None:
         return plan.items
     expert, first, rows = plan.work  # [U]
     u_slots = expert.shape[0]
-    items = num_items(u_slots, plan.token_of_row.shape[0], ROWS)
-    chunks = lax.div(rows + ROWS - 1, ROWS)  # [U]
+    items = num_items(u_slots, plan.token_of_row.shape[0], item_rows)
+    chunks = lax.div(rows + item_rows - 1, item_rows)  # [U]
     ends = jnp.cumsum(chunks)  # [U] inclusive
     w = jnp.arange(items, dtype=jnp.int32)
     slot = jnp.sum((ends[None, :] <= w[:, None]).astype(jnp.int32), axis=1)  # [W]
     slot_c = jnp.minimum(slot, u_slots - 1)
     c = w - (ends[slot_c] - chunks[slot_c])  # chunk within its slot
     used = slot < u_slots
-    count = jnp.where(used, jnp.clip(rows[slot_c] - c * ROWS, 0, ROWS), 0)
+    count = jnp.where(used, jnp.clip(rows[slot_c] - c * item_rows, 0, item_rows), 0)
     return jnp.stack([jnp.where(used, expert[slot_c], num_experts),
-                      jnp.where(used, first[slot_c] + c * ROWS, jnp.sum(rows)),
+                      jnp.where(used, first[slot_c] + c * item_rows, jnp.sum(rows)),
                       count]).astype(jnp.int32)
 
 
@@ -1672,21 +1711,27 @@ def moe_decode_mosaic_pairs(
             raise ValueError("extra: biases are not supported")
         e_all += extra.gate_up.shape[0]
     p = expert_ids.size
-    rows = window_rows(p)  # sorted rows, then rows no item owns (inside the last windows)
     if tile is None:
-        tile = (choose_slot_tile(hidden, fmt=fmt), choose_slot_tile(inter, fmt=fmt))
+        item_rows = choose_item_rows(x.shape[0])
+        tile = (choose_slot_tile(hidden, fmt=fmt, rows=item_rows),
+                choose_slot_tile(inter, fmt=fmt, rows=item_rows))
+    elif tile[0].rows != tile[1].rows:
+        raise ValueError(f"tile: expected the same rows in both (the items'), got "
+                         f"{tile[0].rows} and {tile[1].rows}")
+    item_rows = tile[0].rows
+    rows = window_rows(p, item_rows)  # sorted rows, then rows no item owns (in the last windows)
 
     def order(t):  # FP4: the activations in the operand column order of t's K steps
         return t.block_k if packed == 2 else None
 
     x16 = None  # x's f16 rows (f16 activations), where the plan's launch makes them
     if fmt != "bf16" and p <= row_launches.PLAN_X_ROWS_MAX_PAIRS:
-        plan, x16 = plan_x_rows(x, expert_ids, e_all, rows, item_rows=ROWS,
+        plan, x16 = plan_x_rows(x, expert_ids, e_all, rows, item_rows=item_rows,
                                 block_k=order(tile[0]), interpret=interpret)
     else:
         plan = make_plan(expert_ids, e_all, pallas=not interpret, interpret=interpret,
-                         item_rows=ROWS)
-    work = work_items(plan, e_all)
+                         item_rows=item_rows)
+    work = work_items(plan, e_all, item_rows)
     if k_splits == "auto":
         items = min(e_all, expert_ids.size)
         sms = device_sm_count() or 132  # interpret mode: as on the H200
