@@ -111,14 +111,16 @@ from pallas_kernels.moe_decode.kernel import (
 from pallas_kernels.moe_decode.rows import h_rows, plan_x_rows, x_rows
 
 ROWS = 16  # the most rows of one work item
-NUM_STAGES = 3  # TMA stages in flight: 43 KB of SMEM a CTA, 5 CTAs an SM (H200 sweep: NOTES)
+NUM_STAGES = 3  # TMA stages in flight: FP8 43 / 36 / 30 KB of SMEM a CTA at windows of 24 /
+#   16 / 8 rows (H200 sweep, at 24: NOTES)
 NUM_STAGES_LONG = 4  # the same for K of at least LONG_K_STEPS steps of <= 128 (H200: NOTES)
 LONG_K_STEPS = 20  # gpt-oss's 23 steps of 128 take 4 stages; Qwen3's 16 (gate_up) 3
-NUM_STAGES_WIDE = 2  # the same for FP4 steps of 192 / 256 (20 KB a stage at 256; H200: NOTES)
+NUM_STAGES_WIDE = 2  # the same for FP4 steps of 192 / 256 (20 / 16 / 12 KB a stage at 256 and
+#   windows of 24 / 16 / 8; H200, at 24: NOTES)
 SCALE_PREFETCH = 3  # K steps a scale load is issued before its step (1: the step before)
 BLOCK_N = 64  # weight rows a program (the wgmma's M)
-# Items of at most T rows at T tokens (a token's experts are distinct, so no expert has more
-# rows): windows of 8 rows at 1 token, 16 at 2-9, 24 from 10. H200, windows of 24 -> 16: Qwen3
+# Items of at most T rows at T tokens (``choose_item_rows``): windows of 8 rows at 1 token, 16
+# at 2-9, 24 from 10. H200, windows of 24 -> 16: Qwen3
 # FP8 / NVFP4 / MXFP4 8 tokens 87.0 -> 84.5 / 70.9 -> 64.5 / 76.5 -> 67.9 us (NOTES, session
 # 25). MIN_ITEM_ROWS: the fewest rows an item is cut to (a wider window at 1 token).
 MIN_ITEM_ROWS = 1
@@ -133,8 +135,10 @@ def window(rows: int) -> int:
 
 def choose_item_rows(tokens: int) -> int:
     """Pure heuristic: the rows work items are cut to at ``tokens`` tokens, ``min(ROWS,
-    tokens)`` (at least ``MIN_ITEM_ROWS``): no expert of distinct top-k routing gets more,
-    so no expert's weights are read by two items of the same program tile."""
+    tokens)`` (at least ``MIN_ITEM_ROWS``): no expert of top-k routing (distinct experts a
+    token) gets more, so none is cut into two items that would both read its weights. A
+    router that repeats an expert within a token (a hash table) gets its longer runs cut:
+    still correct."""
     return max(MIN_ITEM_ROWS, min(ROWS, tokens))
 
 
@@ -1188,10 +1192,11 @@ def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, row_fact
 
 # moe_decode_mosaic_pairs' default for f16 activations: the one launch from FUSE_MLP_TOKENS[0]
 # to [1] tokens. H200 steps, three launches -> one: Qwen3 FP8 8 / 32 / 64 tokens 88.4 -> 86.4 /
-# 166 -> 166 / 187 -> 188 us, NVFP4 8 73.3 -> 72.5, gpt-oss FP8 8 217 -> 212; at 1-2 tokens
-# slower (Qwen3 FP8 1 28.9 -> 31.8, 2 39.0 -> 41.0; gpt-oss MXFP4 1 48.9 -> 53.9): there the
-# gate_up programs leave SM slots free, and the down programs spinning in them take issue slots
-# from the latency-bound gate_up programs (NOTES, session 24).
+# 166 -> 166 / 187 -> 188 us, NVFP4 8 73.3 -> 72.5, gpt-oss FP8 8 217 -> 212 (windows of 24,
+# session 24; not re-timed with windows of 16). At 1-2 tokens slower: Qwen3 FP8 1 28.9 -> 31.8,
+# 2 39.0 -> 41.0; gpt-oss MXFP4 1 48.9 -> 53.9, and 45.1 -> 47.2 with windows of 8 (session
+# 25). Not explained yet: a waiting program polls with one thread (the others at a barrier),
+# so its issue slots are few; the down programs' weight stream only starts after their wait.
 FUSE_MLP_TOKENS = (8, 32)
 # The h program's shape. ptxas (sm_90a, offline) counts for Qwen3 FP8 the launch's registers a
 # thread: 92 at 1 or 2 rows a program (the slot_matmul kernels alone: 88 / 89), 120 at 4 rows
