@@ -193,12 +193,19 @@ def num_k_steps(k: int, tile: SlotTile) -> int:
     return -(-k // tile.block_k)
 
 
+# Programs an SM choose_k_splits sizes the K splits for (timed with windows of 24 rows, when 4-5
+# CTAs fit an SM; the smaller windows of 1-9 tokens fit more: not re-timed yet).
+K_SPLIT_PROGRAMS_PER_SM = 4
+
+
 def choose_k_splits(items: int, n: int, k: int, tile: SlotTile, *, sms: int = 132,
-                    per_sm: int = 4) -> int:
+                    per_sm: int | None = None) -> int:
     """Pure heuristic: the largest split of K (a divisor of its steps, at least 2 steps a
-    program) whose ``items * n / BLOCK_N * split`` programs stay within 1.25 x ``per_sm`` programs
-    an SM (``items``: the work items expected, e.g. ``min(experts, tokens * top_k)``);
-    ``moe_decode_mosaic_pairs``' default (``k_splits="auto"``)."""
+    program) whose ``items * n / BLOCK_N * split`` programs stay within 1.25 x ``per_sm``
+    (default ``K_SPLIT_PROGRAMS_PER_SM``) programs an SM (``items``: the work items expected,
+    e.g. ``min(experts, tokens * top_k)``); ``moe_decode_mosaic_pairs``' default
+    (``k_splits="auto"``)."""
+    per_sm = K_SPLIT_PROGRAMS_PER_SM if per_sm is None else per_sm
     steps = num_k_steps(k, tile)
     programs = max(items, 1) * (n // BLOCK_N)
     best = 1
