@@ -528,6 +528,11 @@ def test_fused_launch_extra_stack_and_bad_inputs():
         slot_mlp(work, a, factor[:8], *args, **opts)
     with pytest.raises(ValueError, match="tiles: expected the same rows in both"):
         slot_mlp(work, a, factor, *args, tiles=(SlotTile(rows=1), SlotTile()), **opts)
+    with pytest.raises(ValueError, match="timeline: the compiled kernel's clock"):
+        slot_mlp(work, a, factor, *args, timeline=True, **opts)
+    with pytest.raises(ValueError, match=r"timeline: stamps come from the one launch"):
+        moe_decode_mosaic_pairs(x, ids, interpret=True, extra=extra, fused=False, timeline=True,
+                                **kw)
     with pytest.raises(NotImplementedError, match="slot_mlp: f16 activations"):
         bf = arrays(BF16)
         slot_mlp(work, a, factor, bf["gate_up"], bf["down"], interpret=True)
@@ -745,6 +750,9 @@ class TestLowersForHopper:
         (NVFP4, 2048, 768, (2, 1), dict(activation="gelu_tanh")),  # h in the operand order
         (MXFP4, 2880, 2880, (1, 1), dict(activation="gpt_oss", layout="interleaved",
                                          limit=7.0)),
+        (MXFP4, 2880, 2880, (1, 5), dict(activation="gpt_oss", layout="interleaved", limit=7.0,
+                                         rows=1, timeline=True)),  # 1 token, clock stamps
+        (FP8, 2048, 768, (1, 1), dict(rows=8, timeline=True)),
     ], ids=lambda v: getattr(v, "value", v))
     def test_one_launch_lowers(self, fmt, h, inter, k_splits, variant):
         self.lower_one_launch(fmt, h, inter, k_splits, variant)
@@ -770,6 +778,7 @@ class TestLowersForHopper:
         p, e = 64, 8
         name = format_name(fmt, None)
         variant = dict(variant)
+        item_rows = variant.pop("rows", ROWS)
         if "activation" in variant:
             variant["activation"] = Activation(variant["activation"])
         if "layout" in variant:
@@ -779,8 +788,9 @@ class TestLowersForHopper:
                              "gate_up_global_scale", "down_global_scale", "gate_up_bias",
                              "down_bias") if n in kw]
         specs = [jax.ShapeDtypeStruct(kw[n].shape, kw[n].dtype) for n in names]
-        rows = window_rows(p)
-        tiles = (choose_slot_tile(h, fmt=name), choose_slot_tile(inter, fmt=name))
+        rows = window_rows(p, item_rows)
+        tiles = (choose_slot_tile(h, fmt=name, rows=item_rows),
+                 choose_slot_tile(inter, fmt=name, rows=item_rows))
 
         def f(work, a, factor, *arrays_):
             return slot_mlp(work, a, factor, **dict(zip(names, arrays_, strict=True)), fmt=name,
@@ -809,6 +819,29 @@ def test_compiled_on_gpu_against_reference(fmt, k_splits, t, fused):
     if fused and fmt is BF16:
         pytest.skip("one launch: f16 activations only")
     check_compiled(fmt, k_splits, t, fused, inter=512)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
+@pytest.mark.parametrize("t", [1, 9])
+def test_compiled_one_launch_timeline_on_gpu(t):
+    """The one launch's clock stamps: the same pairs as without them; every program's start <=
+    its wait's end <= its end (ns, 32-bit differences, under 0.1 s), on an SM of the device;
+    the programs that wait (h, down) end their waits after the first program started."""
+    e, h, k = 16, 1024, 4
+    rng = np.random.default_rng(t)
+    kw = arrays(FP8, e=e, h=h, inter=512, bias=True, seed=1, fp8_block=(128, 128))
+    ids = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(t)]), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((t, h)).astype(ml_dtypes.bfloat16))
+    plain = moe_decode_mosaic_pairs(x, ids, **kw, fused=True)
+    pairs, stamps = moe_decode_mosaic_pairs(x, ids, **kw, fused=True, timeline=True)
+    np.testing.assert_array_equal(np.asarray(pairs), np.asarray(plain))
+    stamps = np.asarray(stamps).astype(np.int64)
+    start, waited, end, sm = stamps.T
+    wrap = 1 << 32
+    assert ((waited - start) % wrap < 10**8).all() and ((end - waited) % wrap < 10**8).all()
+    assert ((sm >= 0) & (sm < jax.devices()[0].core_count)).all()
+    assert ((waited - start[0]) % wrap < 10**8).all()  # program 0: dispatched first
+    assert stamps.shape[1] == len(mosaic.TIMELINE_COLUMNS)
 
 
 def check_compiled(fmt, k_splits, t: int, fused: bool, *, inter: int,

@@ -1412,6 +1412,29 @@ def _proxy_fence():
     fence()
 
 
+TIMELINE_COLUMNS = ("start", "waited", "end", "sm")  # slot_mlp(timeline=True)'s columns
+
+
+def _stamp(timeline_ref, pid, column: int):
+    """One thread of the program stores the low 32 bits of ``%globaltimer`` (ns) at
+    ``timeline_ref[pid, column]``; column 2 (the end) also stores the SM's id in column 3."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT))
+    def stamp(_, ref, program):
+        i32 = ir.IntegerType.get_signless(32)
+        ptr = mgpu.utils.memref_ptr(ref)
+        row = arith.muli(program.registers.item(), _i32(4 * len(TIMELINE_COLUMNS)))
+        with mgpu.utils.single_thread(scope=mgpu.ThreadSubset.WARPGROUP):
+            now = mgpu.utils.inline_ptx("mov.u32 $0, %globaltimer_lo;", result_types=i32,
+                                        has_side_effects=True)
+            llvm.store(now, _gep(ptr, arith.addi(row, _i32(4 * column))))
+            if column == 2:
+                sm = mgpu.utils.inline_ptx("mov.u32 $0, %smid;", result_types=i32)
+                llvm.store(sm, _gep(ptr, arith.addi(row, _i32(12))))
+
+    stamp(timeline_ref, jnp.asarray(pid, jnp.int32))
+
+
 def _fused_programs(two_i: int, hidden: int, k_splits: tuple[int, int],
                     rows: int) -> tuple[int, int, int]:
     """An item (of at most ``rows`` rows)'s programs in each phase of ``slot_mlp``'s grid:
@@ -1421,17 +1444,19 @@ def _fused_programs(two_i: int, hidden: int, k_splits: tuple[int, int],
 
 
 def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
-                  gate_up_bias: bool, down_bias: bool, sync: bool, gate_up: dict, down: dict,
-                  h_program: dict):
+                  gate_up_bias: bool, down_bias: bool, sync: bool, timeline: bool, gate_up: dict,
+                  down: dict, h_program: dict):
     """``slot_mlp``'s launch (see the comment above). ``rest``: the gate_up stacks, the down
     stacks (``_kernel``'s), [gate_up bias], [down bias]; out gu [S_gu * R, 2I] f32, h [R, I]
-    f16, h factor [R] f32, y [S_down * R, H] f32; [w stages (interpret: gate_up's, down's)]."""
+    f16, h factor [R] f32, y [S_down * R, H] f32, [timeline [programs, 4] i32]; [w stages
+    (interpret: gate_up's, down's)]."""
     gu_stacks, rest = _split_stacks(rest, fmt, num_stacks)
     down_stacks, rest = _split_stacks(rest, fmt, num_stacks)
     gu_bias = rest.pop(0) if gate_up_bias else None
     dn_bias = rest.pop(0) if down_bias else None
-    gu_o, h_o, hf_o, y_o, *stages = rest
-    stages = stages or (None, None)
+    gu_o, h_o, hf_o, y_o, *rest = rest
+    tl_o = rest.pop(0) if timeline else None
+    stages = rest or (None, None)
     w = work_gmem.shape[1]
     nt_gu, nt_down = gu_o.shape[1] // BLOCK_N, y_o.shape[1] // BLOCK_N
     gu_per_item, h_parts, down_per_item = _fused_programs(
@@ -1442,6 +1467,9 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
     # before each launch (Pallas' GMEM scratch; the counts are not taken back)
     sems = pl.get_global(plgpu.SemaphoreType.REGULAR((2, w))) if sync else None
     pid = lax.axis_index("p")
+    if timeline:  # "waited" is the start for programs that do not wait
+        _stamp(tl_o, pid, 0)
+        _stamp(tl_o, pid, 1)
 
     def tile_split(q, tiles, splits):
         """An item's program ``q`` of a phase -> (tile, split)."""
@@ -1479,6 +1507,8 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
                 plgpu.semaphore_wait(sems.at[0, u], gu_per_item, decrement=False,
                                      memory_scope="gpu")
             _proxy_fence()
+            if timeline:
+                _stamp(tl_o, pid, 1)
             if H_PROGRAM_ROWS >= 4:  # a row within a warp: shuffles only
                 _h_program_inline(gu_o, h_o, hf_o, first, count, **h_program)
             else:
@@ -1501,13 +1531,18 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
                     plgpu.semaphore_wait(sems.at[1, u], h_parts, decrement=False,
                                          memory_scope="gpu")
                 _proxy_fence()  # h's generic stores before the TMA loads
+                if timeline:
+                    _stamp(tl_o, pid, 1)
 
         _matmul_program(work_gmem, h_o, down_stacks, hf_o, dn_bias, y_o,
                         stages[1], u=u, nt=nt, split=split, fmt=fmt, **down)
 
+    if timeline:
+        _stamp(tl_o, pid, 2)
+
 
 _MLP_STATIC = ("fmt", "fp8_block", "tiles", "k_splits", "activation", "layout", "limit",
-               "alpha", "interpret")
+               "alpha", "timeline", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_MLP_STATIC)
@@ -1534,12 +1569,15 @@ def slot_mlp(
     layout: GateUpLayout = GateUpLayout.CONCATENATED,
     limit: float | None = None,
     alpha: float = GPT_OSS_ALPHA,
+    timeline: bool = False,
     interpret: bool = False,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``slot_matmul`` (gate_up, x's factors and bias in its epilogue) -> ``rows.h_rows`` ->
     ``slot_matmul`` (down) in one launch: ``[k_splits[1] * R, H]`` f32, the down launch's
     stacked output (rows no item owns: not written). f16 activations only (FP8, NVFP4,
-    MXFP4)."""
+    MXFP4). ``timeline=True`` (compiled only; a profiling aid) also returns ``[programs, 4]``
+    int32, each program's ``TIMELINE_COLUMNS``: the low 32 bits of ``%globaltimer`` (ns) at
+    its start, after its wait (its start if it has none) and at its end, and its SM."""
     if a.ndim != 2 or work.ndim != 2 or work.shape[0] != 3:
         raise ValueError(f"a, work: expected [R, H] and [3, W], got {a.shape}, {work.shape}")
     activation, layout = Activation.coerce(activation), GateUpLayout.coerce(layout)
@@ -1554,6 +1592,8 @@ def slot_mlp(
         tile=tiles[1], k_splits=k_splits[1], interpret=interpret)
     if activation_dtype(fmt) != jnp.float16:
         raise NotImplementedError(f"slot_mlp: f16 activations (FP8, NVFP4, MXFP4), not {fmt}")
+    if timeline and interpret:
+        raise ValueError("timeline: the compiled kernel's clock; interpret mode has none")
     if (extra_gate_up is None) != (extra_down is None):
         raise ValueError("extra_gate_up, extra_down: both or neither")
     if two_i != 2 * inter or n_down != hidden:
@@ -1584,7 +1624,7 @@ def slot_mlp(
         functools.partial(
             _fused_kernel, num_stacks=1 + (extra_gate_up is not None), fmt=fmt,
             gate_up_bias=gate_up_bias is not None, down_bias=down_bias is not None,
-            sync=not interpret,
+            sync=not interpret, timeline=timeline,
             gate_up=dict(fp8_block=fp8_block, tile=tiles[0], global_rows=gu_global_rows or 0,
                          k=hidden, k_splits=splits_gu),
             down=dict(fp8_block=fp8_block, tile=tiles[1], global_rows=down_global_rows or 0,
@@ -1595,7 +1635,9 @@ def slot_mlp(
         out_type=(jax.ShapeDtypeStruct((splits_gu * rows, two_i), jnp.float32),
                   jax.ShapeDtypeStruct((rows, h_cols), jnp.float16),
                   jax.ShapeDtypeStruct((rows,), jnp.float32),
-                  jax.ShapeDtypeStruct((splits_down * rows, hidden), jnp.float32)),
+                  jax.ShapeDtypeStruct((splits_down * rows, hidden), jnp.float32))
+        + ((jax.ShapeDtypeStruct((programs, len(TIMELINE_COLUMNS)), jnp.int32),) if timeline
+           else ()),
         grid=(programs,),
         grid_names=("p",),
         scratch_types=scratch,
@@ -1603,8 +1645,8 @@ def slot_mlp(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    *_, y = kernel(work, gu_pad(a), a_factor, *gu_ops, *down_ops, *biases)
-    return y
+    _, _, _, y, *tl = kernel(work, gu_pad(a), a_factor, *gu_ops, *down_ops, *biases)
+    return (y, tl[0]) if timeline else y
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1637,7 +1679,7 @@ def work_items(plan: DecodePlan, num_experts: int, item_rows: int = ROWS) -> jax
 
 
 _MOSAIC_STATIC = ("fmt", "activation", "gate_up_layout", "limit", "alpha", "block_size", "tile",
-                  "k_splits", "fused", "interpret")
+                  "k_splits", "fused", "timeline", "interpret")
 _FMT_NAMES = {WeightFormat.BF16: "bf16", WeightFormat.FP8_BLOCK: "fp8",
               WeightFormat.NVFP4: "nvfp4", WeightFormat.MXFP4: "mxfp4"}
 
@@ -1683,15 +1725,17 @@ def moe_decode_mosaic_pairs(
     #   choose_k_splits
     fused: bool | None = None,  # gate_up, h and down in one launch (slot_mlp; f16
     #   activations); None: for f16 activations at FUSE_MLP_TOKENS tokens
+    timeline: bool = False,  # the one launch only: also its programs' clock stamps (slot_mlp)
     interpret: bool = False,
     extra: ExtraExperts | None = None,  # a second stack: expert ids E .. E + E2 - 1
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Routed expert outputs of each (token, slot) pair ``[T, k, H]`` f32 (zero experts: 0),
     as ``kernel.moe_decode_pairs``, through the Mosaic GPU launches (module docstring); h
     between them is rounded to bf16 as there. ``extra`` (the shared expert folded in): same
     format and per-expert shapes, no biases. ``tile`` (``SlotTile`` of each launch: K step,
     stages) and ``k_splits`` (``slot_matmul``'s, per launch; "auto": ``choose_k_splits``)
-    default to the settings timed on the H200."""
+    default to the settings timed on the H200. ``timeline=True`` (with the one launch, compiled;
+    a profiling aid) returns ``(pairs, slot_mlp's timeline)``."""
     activation = Activation.coerce(activation)
     layout = GateUpLayout.coerce(gate_up_layout)
     if activation is Activation.GPT_OSS and limit is None:
@@ -1713,6 +1757,8 @@ def moe_decode_mosaic_pairs(
     elif fused and fmt == "bf16":
         raise NotImplementedError("fused: one launch takes f16 activations (FP8, NVFP4, MXFP4), "
                                   "not BF16 weights")
+    if timeline and not fused:
+        raise ValueError("timeline: stamps come from the one launch (fused=True)")
     e_all = e
     if extra is not None:
         if not isinstance(extra, ExtraExperts):
@@ -1786,8 +1832,10 @@ def moe_decode_mosaic_pairs(
                          extra_down=xd, gate_up_bias=gate_up_bias, down_bias=down_bias,
                          fmt=fmt, fp8_block=fp8_block, tiles=tuple(tile),
                          k_splits=tuple(k_splits), activation=activation, layout=layout,
-                         limit=limit, alpha=alpha, interpret=interpret)
-            return pairs_of(y.reshape(k_splits[1], rows, hidden), plan)
+                         limit=limit, alpha=alpha, timeline=timeline, interpret=interpret)
+            y, stamps = y if timeline else (y, None)
+            pairs = pairs_of(y.reshape(k_splits[1], rows, hidden), plan)
+            return (pairs, stamps) if timeline else pairs
         gu = launch(a, factor, gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, xs,
                     tile[0], k_splits[0])  # [S * R, 2I]
         h, factor = h_rows(gu, splits=k_splits[0], activation=activation, layout=layout,
