@@ -66,7 +66,8 @@ CASES = {  # (format, H, I, gate_up kwargs of slot_mlp)
 KERNELS = ("slot_mlp", "gate_up", "down")
 
 
-def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str], rows: int) -> None:
+def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str],
+                 item_rows: int) -> None:
     """In a child process: lower ``kernel`` of ``case`` and hand it to ``MosaicGpuCompile``,
     which prints ptxas's report (``MOSAIC_GPU_DUMP_PTXAS``)."""
     import jax
@@ -100,11 +101,11 @@ def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str], rows: i
         return [w, spec((e, n, k // 32), jnp.uint8)]
 
     gu, dn = stack(2 * inter, h), stack(h, inter)
-    tiles = (mosaic.choose_slot_tile(h, fmt=fmt, rows=rows),
-             mosaic.choose_slot_tile(inter, fmt=fmt, rows=rows))
+    tiles = (mosaic.choose_slot_tile(h, fmt=fmt, rows=item_rows),
+             mosaic.choose_slot_tile(inter, fmt=fmt, rows=item_rows))
     fp8_block = (128, 128) if fmt == "fp8" else None
-    work = spec((3, num_items(e, p, rows)), jnp.int32)
-    rows = mosaic.window_rows(p, rows)
+    work = spec((3, num_items(e, p, item_rows)), jnp.int32)
+    rows = mosaic.window_rows(p, item_rows)
     if kernel == "slot_mlp":
         names = ["gate_up", "down", "gate_up_scale", "down_scale", "gate_up_global_scale",
                  "down_global_scale"][:2 * len(gu)]

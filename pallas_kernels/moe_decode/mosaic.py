@@ -188,6 +188,14 @@ def choose_slot_tile(k: int, num_stages: int | None = None, fmt: str | None = No
     return SlotTile(block_k=block_k, num_stages=num_stages, rows=rows)
 
 
+def _item_rows(tiles, name: str) -> int:
+    """The items' rows of a (gate_up, down) tile pair: one cut of the items serves both."""
+    if tiles[0].rows != tiles[1].rows:
+        raise ValueError(f"{name}: expected the same rows in both (the items'), got "
+                         f"{tiles[0].rows} and {tiles[1].rows}")
+    return tiles[0].rows
+
+
 def num_k_steps(k: int, tile: SlotTile) -> int:
     """K steps of ``tile`` over K (the last one ragged where ``block_k`` does not divide K)."""
     return -(-k // tile.block_k)
@@ -1599,9 +1607,7 @@ def slot_mlp(
     if two_i != 2 * inter or n_down != hidden:
         raise ValueError(f"down: expected [E, {hidden}, {two_i // 2}] (logical), got "
                          f"[E, {n_down}, {inter}]")
-    if tiles[0].rows != tiles[1].rows:
-        raise ValueError(f"tiles: expected the same rows in both (the items'), got "
-                         f"{tiles[0].rows} and {tiles[1].rows}")
+    _item_rows(tiles, "tiles")
     if a.shape != (rows, hidden) or a.dtype != jnp.float16 or rows < tiles[0].window:
         raise ValueError(f"a: expected [R >= {tiles[0].window}, {hidden}] float16, got {a.shape} "
                          f"{a.dtype}")
@@ -1773,10 +1779,7 @@ def moe_decode_mosaic_pairs(
         item_rows = choose_item_rows(x.shape[0])
         tile = (choose_slot_tile(hidden, fmt=fmt, rows=item_rows),
                 choose_slot_tile(inter, fmt=fmt, rows=item_rows))
-    elif tile[0].rows != tile[1].rows:
-        raise ValueError(f"tile: expected the same rows in both (the items'), got "
-                         f"{tile[0].rows} and {tile[1].rows}")
-    item_rows = tile[0].rows
+    item_rows = _item_rows(tile, "tile")
     rows = window_rows(p, item_rows)  # sorted rows, then rows no item owns (in the last windows)
 
     def order(t):  # FP4: the activations in the operand column order of t's K steps
