@@ -44,11 +44,8 @@ from benchmarks._common import (  # noqa: E402
 )
 from benchmarks.moe_decode import SHAPES, make_layer, rel_err  # noqa: E402
 from pallas_kernels.moe_decode import moe_decode, moe_decode_pairs_reference  # noqa: E402
-from pallas_kernels.moe_decode.kernel import num_items  # noqa: E402
 from pallas_kernels.moe_decode.mosaic import (  # noqa: E402
-    _fused_programs,
     choose_item_rows,
-    choose_k_splits,
     choose_slot_tile,
     moe_decode_mosaic_pairs,
 )
@@ -159,31 +156,28 @@ def bench(shapes, formats, token_counts, stages, *, hbm: float, profile: bool = 
     return rows
 
 
-def timeline_summary(stamps: np.ndarray, per_item: tuple[int, int, int], items: int) -> str:
-    """``slot_mlp``'s ``[programs, 4]`` stamps -> a table a phase and one an item (us from the
-    first start; 'waited' = the end of a program's wait, its start if it has none)."""
+def timeline_summary(stamps: np.ndarray) -> str:
+    """``slot_mlp``'s stamps (``TIMELINE_COLUMNS``) -> a table a phase and one an item (us from
+    the first start; 'waited' = the end of a program's wait, its start if it has none)."""
     t = stamps.astype(np.int64)
-    start = (t[:, 0] - t[0, 0]) % (1 << 32)  # program 0 is dispatched first
-    t0 = start.min()
-    start, waited, end = (((t[:, i] - t[0, 0]) % (1 << 32) - t0) / 1e3 for i in range(3))
-    bounds = np.cumsum([0] + [items * n for n in per_item])
+    rel = (t[:, :3] - t[0, 0]) % (1 << 32)  # program 0 is dispatched first; the clock wraps
+    start, waited, end = ((rel - rel[:, 0].min()) / 1e3).T
+    phase, item = t[:, 4], t[:, 5]
     rows = []
-    for name, lo, hi in zip(("gate_up", "h", "down"), bounds[:-1], bounds[1:], strict=True):
-        s_, w_, e_ = start[lo:hi], waited[lo:hi], end[lo:hi]
-        rows.append(dict(phase=name, programs=hi - lo, first_start=s_.min(), last_start=s_.max(),
-                         median_wait=np.median(w_ - s_), median_run=np.median(e_ - w_),
-                         first_end=e_.min(), last_end=e_.max()))
-    out = [table(rows, list(rows[0]))]
+    for p, name in enumerate(("gate_up", "h", "down")):
+        at = phase == p
+        s_, w_, e_ = start[at], waited[at], end[at]
+        rows.append(dict(phase=name, programs=int(at.sum()), first_start=s_.min(),
+                         last_start=s_.max(), median_wait=np.median(w_ - s_),
+                         median_run=np.median(e_ - w_), first_end=e_.min(), last_end=e_.max()))
     item_rows = []
-    for u in range(items):
-        gu = slice(u * per_item[0], (u + 1) * per_item[0])
-        h = slice(bounds[1] + u * per_item[1], bounds[1] + (u + 1) * per_item[1])
-        dn = slice(bounds[2] + u * per_item[2], bounds[2] + (u + 1) * per_item[2])
-        item_rows.append(dict(item=u, gate_up_last_end=end[gu].max(), h_waited=waited[h].max(),
-                              h_end=end[h].max(), down_first_start=start[dn].min(),
+    for u in np.unique(item):
+        gu, h, dn = ((item == u) & (phase == p) for p in range(3))
+        item_rows.append(dict(item=int(u), gate_up_last_end=end[gu].max(),
+                              h_waited=waited[h].max(), h_end=end[h].max(),
+                              down_first_start=start[dn].min(),
                               down_last_waited=waited[dn].max(), down_last_end=end[dn].max()))
-    out.append(table(item_rows, list(item_rows[0])))
-    return "\n\n".join(out)
+    return table(rows, list(rows[0])) + "\n\n" + table(item_rows, list(item_rows[0]))
 
 
 def timelines(shapes, formats, token_counts, calls: int = 4) -> str:
@@ -202,17 +196,8 @@ def timelines(shapes, formats, token_counts, calls: int = 4) -> str:
                 for j in range(calls):
                     x, ids, _ = xs[j % len(xs)]
                     _, stamps = step(arrays, x, ids)
-                stamps = np.asarray(stamps)
-                r = choose_item_rows(tokens)
-                h, inter, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
-                tiles = [choose_slot_tile(k, fmt=fmt, rows=r) for k in (h, inter)]
-                splits = (choose_k_splits(min(e, ids.size), 2 * inter, h, tiles[0]),
-                          choose_k_splits(min(e, ids.size), h, inter, tiles[1]))
-                per_item = _fused_programs(2 * inter, h, splits, r)
-                items = num_items(min(e, ids.size), ids.size, r)
-                assert stamps.shape[0] == items * sum(per_item), (stamps.shape, items, per_item)
-                text = (f"{shape} {fmt} {tokens} tokens: k_splits {splits}, {items} items, "
-                        f"items of {r} rows\n\n" + timeline_summary(stamps, per_item, items))
+                text = (f"{shape} {fmt} {tokens} tokens, items of {choose_item_rows(tokens)} "
+                        f"rows\n\n" + timeline_summary(np.asarray(stamps)))
                 print(text + "\n", flush=True)
                 out.append(text)
     return "\n\n".join(out)

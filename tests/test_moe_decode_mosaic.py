@@ -826,7 +826,8 @@ def test_compiled_on_gpu_against_reference(fmt, k_splits, t, fused):
 def test_compiled_one_launch_timeline_on_gpu(t):
     """The one launch's clock stamps: the same pairs as without them; every program's start <=
     its wait's end <= its end (ns, 32-bit differences, under 0.1 s), on an SM of the device;
-    the programs that wait (h, down) end their waits after the first program started."""
+    the programs that wait (h, down) end their waits after the first program started; phases
+    in grid order (gate_up, h, down), items 0.. within each."""
     e, h, k = 16, 1024, 4
     rng = np.random.default_rng(t)
     kw = arrays(FP8, e=e, h=h, inter=512, bias=True, seed=1, fp8_block=(128, 128))
@@ -836,12 +837,15 @@ def test_compiled_one_launch_timeline_on_gpu(t):
     pairs, stamps = moe_decode_mosaic_pairs(x, ids, **kw, fused=True, timeline=True)
     np.testing.assert_array_equal(np.asarray(pairs), np.asarray(plain))
     stamps = np.asarray(stamps).astype(np.int64)
-    start, waited, end, sm = stamps.T
+    start, waited, end, sm, phase, item = stamps.T
     wrap = 1 << 32
     assert ((waited - start) % wrap < 10**8).all() and ((end - waited) % wrap < 10**8).all()
     assert ((sm >= 0) & (sm < jax.devices()[0].core_count)).all()
     assert ((waited - start[0]) % wrap < 10**8).all()  # program 0: dispatched first
     assert stamps.shape[1] == len(mosaic.TIMELINE_COLUMNS)
+    assert (np.diff(phase) >= 0).all() and phase[0] == 0 and phase[-1] == 2
+    for p in range(3):
+        assert (np.diff(item[phase == p]) >= 0).all() and item[phase == p][0] == 0
 
 
 def check_compiled(fmt, k_splits, t: int, fused: bool, *, inter: int,

@@ -1420,27 +1420,34 @@ def _proxy_fence():
     fence()
 
 
-TIMELINE_COLUMNS = ("start", "waited", "end", "sm")  # slot_mlp(timeline=True)'s columns
+# slot_mlp(timeline=True)'s columns: phase 0 gate_up, 1 h, 2 down; item: the work item
+TIMELINE_COLUMNS = ("start", "waited", "end", "sm", "phase", "item")
 
 
-def _stamp(timeline_ref, pid, column: int):
+def _stamp(timeline_ref, pid, column: int, phase=None, item=None):
     """One thread of the program stores the low 32 bits of ``%globaltimer`` (ns) at
-    ``timeline_ref[pid, column]``; column 2 (the end) also stores the SM's id in column 3."""
+    ``timeline_ref[pid, column]``; the end (column 2) also stores the SM's id, the program's
+    ``phase`` and ``item``."""
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT))
-    def stamp(_, ref, program):
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) + (plgpu.Layout.WG_SPLAT,) * 3)
+    def stamp(_, ref, program, phase_, item_):
         i32 = ir.IntegerType.get_signless(32)
         ptr = mgpu.utils.memref_ptr(ref)
         row = arith.muli(program.registers.item(), _i32(4 * len(TIMELINE_COLUMNS)))
-        with mgpu.utils.single_thread(scope=mgpu.ThreadSubset.WARPGROUP):
-            now = mgpu.utils.inline_ptx("mov.u32 $0, %globaltimer_lo;", result_types=i32,
-                                        has_side_effects=True)
-            llvm.store(now, _gep(ptr, arith.addi(row, _i32(4 * column))))
-            if column == 2:
-                sm = mgpu.utils.inline_ptx("mov.u32 $0, %smid;", result_types=i32)
-                llvm.store(sm, _gep(ptr, arith.addi(row, _i32(12))))
 
-    stamp(timeline_ref, jnp.asarray(pid, jnp.int32))
+        def store(value, col):
+            llvm.store(value, _gep(ptr, arith.addi(row, _i32(4 * col))))
+
+        with mgpu.utils.single_thread(scope=mgpu.ThreadSubset.WARPGROUP):
+            store(mgpu.utils.inline_ptx("mov.u32 $0, %globaltimer_lo;", result_types=i32,
+                                        has_side_effects=True), column)
+            if column == 2:
+                store(mgpu.utils.inline_ptx("mov.u32 $0, %smid;", result_types=i32), 3)
+                store(phase_.registers.item(), 4)
+                store(item_.registers.item(), 5)
+
+    tags = (0, 0) if phase is None else (phase, item)
+    stamp(timeline_ref, *(jnp.asarray(v, jnp.int32) for v in (pid, *tags)))
 
 
 def _fused_programs(two_i: int, hidden: int, k_splits: tuple[int, int],
@@ -1456,7 +1463,7 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
                   down: dict, h_program: dict):
     """``slot_mlp``'s launch (see the comment above). ``rest``: the gate_up stacks, the down
     stacks (``_kernel``'s), [gate_up bias], [down bias]; out gu [S_gu * R, 2I] f32, h [R, I]
-    f16, h factor [R] f32, y [S_down * R, H] f32, [timeline [programs, 4] i32]; [w stages
+    f16, h factor [R] f32, y [S_down * R, H] f32, [timeline [programs, 6] i32]; [w stages
     (interpret: gate_up's, down's)]."""
     gu_stacks, rest = _split_stacks(rest, fmt, num_stacks)
     down_stacks, rest = _split_stacks(rest, fmt, num_stacks)
@@ -1546,7 +1553,8 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
                         stages[1], u=u, nt=nt, split=split, fmt=fmt, **down)
 
     if timeline:
-        _stamp(tl_o, pid, 2)
+        phase = jnp.where(pid < n_gu, 0, jnp.where(is_h, 1, 2))
+        _stamp(tl_o, pid, 2, phase, jnp.where(pid < n_gu, lax.div(pid, gu_per_item), u))
 
 
 _MLP_STATIC = ("fmt", "fp8_block", "tiles", "k_splits", "activation", "layout", "limit",
@@ -1583,9 +1591,10 @@ def slot_mlp(
     """``slot_matmul`` (gate_up, x's factors and bias in its epilogue) -> ``rows.h_rows`` ->
     ``slot_matmul`` (down) in one launch: ``[k_splits[1] * R, H]`` f32, the down launch's
     stacked output (rows no item owns: not written). f16 activations only (FP8, NVFP4,
-    MXFP4). ``timeline=True`` (compiled only; a profiling aid) also returns ``[programs, 4]``
+    MXFP4). ``timeline=True`` (compiled only; a profiling aid) also returns ``[programs, 6]``
     int32, each program's ``TIMELINE_COLUMNS``: the low 32 bits of ``%globaltimer`` (ns) at
-    its start, after its wait (its start if it has none) and at its end, and its SM."""
+    its start, after its wait (its start if it has none) and at its end, its SM, its phase
+    (0 gate_up, 1 h, 2 down) and its work item."""
     if a.ndim != 2 or work.ndim != 2 or work.shape[0] != 3:
         raise ValueError(f"a, work: expected [R, H] and [3, W], got {a.shape}, {work.shape}")
     activation, layout = Activation.coerce(activation), GateUpLayout.coerce(layout)
