@@ -160,7 +160,8 @@ def timeline_summary(stamps: np.ndarray) -> str:
     """``slot_mlp``'s stamps (``TIMELINE_COLUMNS``) -> a table a phase and one an item (us from
     the first start; 'waited' = the end of a program's wait, its start if it has none)."""
     t = stamps.astype(np.int64)
-    rel = (t[:, :3] - t[0, 0]) % (1 << 32)  # program 0 is dispatched first; the clock wraps
+    # 32-bit clock differences from program 0, signed: other SMs' programs may start first
+    rel = (t[:, :3] - t[0, 0] + (1 << 31)) % (1 << 32) - (1 << 31)
     start, waited, end = ((rel - rel[:, 0].min()) / 1e3).T
     phase, item = t[:, 4], t[:, 5]
     rows = []

@@ -171,16 +171,16 @@ def test_moe_decode_mosaic_k_splits_flag():
 
 def test_moe_decode_mosaic_timeline_summary():
     """``--timeline``'s summary: two items of (2 gate_up, 1 h, 2 down) programs, each stamped
-    with its phase and item; times from the first start in us, across a wrap of the 32-bit
-    clock."""
+    with its phase and item; times from the first start in us (program 1's: program 0 starts
+    half a us later, as other SMs' programs may on a GPU), across a wrap of the 32-bit clock."""
     from benchmarks.moe_decode_mosaic import timeline_summary
 
     base = (1 << 32) - 3000  # the clock wraps 3 us in
-    us = [(0, 0, 5), (0, 0, 6), (1, 1, 7), (1, 1, 8),  # gate_up: item 0, then item 1
+    us = [(0.5, 0.5, 5), (0, 0, 6), (1, 1, 7), (1, 1, 8),  # gate_up: item 0, then item 1
           (0, 6, 7), (0, 8, 9),  # h: waits for its item's gate_up
           (1, 7, 12), (2, 7, 13), (2, 9, 14), (3, 9, 15)]  # down
     tags = [(0, 0), (0, 0), (0, 1), (0, 1), (1, 0), (1, 1), (2, 0), (2, 0), (2, 1), (2, 1)]
-    stamps = np.array([[(base + 1000 * v) % (1 << 32) for v in row] + [7, *tag]
+    stamps = np.array([[(base + int(1000 * v)) % (1 << 32) for v in row] + [7, *tag]
                        for row, tag in zip(us, tags, strict=True)],
                       np.int64).astype(np.uint32).view(np.int32)
     text = timeline_summary(stamps)
