@@ -128,7 +128,7 @@ def bench(shapes, formats, token_counts, stages, *, hbm: float, profile: bool = 
                            MB=nbytes / 1e6)
                 variants = {"triton": _steps(fmt, static)[0]}
                 for s, splits in itertools.product(stages, k_splits):
-                    r = choose_item_rows(tokens)
+                    r = choose_item_rows(tokens, fmt)
                     tiles = (choose_slot_tile(cfg.hidden_size, s, fmt, rows=r),
                              choose_slot_tile(cfg.intermediate_size, s, fmt, rows=r))
                     name = f"mosaic_s{s}" + ("" if splits == "auto" else
@@ -197,8 +197,9 @@ def timelines(shapes, formats, token_counts, calls: int = 4) -> str:
                 for j in range(calls):
                     x, ids, _ = xs[j % len(xs)]
                     _, stamps = step(arrays, x, ids)
-                text = (f"{shape} {fmt} {tokens} tokens, items of {choose_item_rows(tokens)} "
-                        f"rows\n\n" + timeline_summary(np.asarray(stamps)))
+                rows = choose_item_rows(tokens, fmt)
+                text = (f"{shape} {fmt} {tokens} tokens, items of {rows} rows\n\n"
+                        + timeline_summary(np.asarray(stamps)))
                 print(text + "\n", flush=True)
                 out.append(text)
     return "\n\n".join(out)

@@ -144,8 +144,9 @@ def main() -> None:
     parser.add_argument("--case", nargs="+", choices=list(CASES), default=["qwen3-fp8"])
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE")
     parser.add_argument("--rows", type=int, default=16,
-                        help="the work items' rows (SlotTile.rows: windows of 8 / 16 / 24 rows "
-                             "for 1 / 2-9 / 10-16; choose_item_rows(T) at T tokens)")
+                        help="the work items' rows (SlotTile.rows: windows of 8 rows for 1 and 8, "
+                             "16 for 2-7, 9 and 16, 24 for 10-15; choose_item_rows(T) at T "
+                             "tokens)")
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # (case, kernel): the child
     args = parser.parse_args()
     if args.one:

@@ -480,7 +480,7 @@ def test_plan_covers_every_routed_pair_once(pattern, t, k, builder):
     np.testing.assert_array_equal(tok[pair_rows], np.arange(t * k) // k)
 
 
-@pytest.mark.parametrize("item_rows", [1, 5, 16])
+@pytest.mark.parametrize("item_rows", [1, 5, 8, 16])
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("t,k", [(1, 4), (7, 3), (21, 6)])
 def test_radix_plan_cuts_the_same_items_as_the_pairwise_plan(pattern, t, k, item_rows):

@@ -27,7 +27,7 @@ import atlas_jax as aj
 from atlas_jax.config import ActQuant, Format
 from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout, WeightFormat
 from pallas_kernels.moe_decode import ExtraExperts, make_plan, moe_decode_pairs_reference, mosaic
-from pallas_kernels.moe_decode.kernel import RADIX_PLAN_MAX_PAIRS
+from pallas_kernels.moe_decode.kernel import RADIX_PLAN_MAX_PAIRS, cut_base, item_count, num_items
 from pallas_kernels.moe_decode.mosaic import (
     ROWS,
     SlotTile,
@@ -209,14 +209,15 @@ def test_compiled_slot_matmul_epilogue(fmt, k, k_splits, bias_dtype):
 
 
 SMALL_WINDOW_CASES = [(1, FP8, 256, 1), (8, FP8, 128, 1), (9, BF16, 256, 2), (1, NVFP4, 512, 1),
-                      (8, MXFP4, 512, 2), (3, NVFP4, 384, 1)]
+                      (8, MXFP4, 512, 2), (3, NVFP4, 384, 1), (8, BF16, 128, 1),
+                      (13, FP8, 256, 1)]
 
 
 @pytest.mark.parametrize("item_rows,fmt,k,k_splits", SMALL_WINDOW_CASES, ids=str)
 def test_slot_matmul_small_windows(item_rows, fmt, k, k_splits):
-    """Items of at most 1 / 3 / 8 / 9 rows (``SlotTile.rows``) in windows of 8 / 16 / 16 /
-    16 rows (the wgmma's N), the epilogue's factors and bias in; each set bit of a row count
-    one store."""
+    """Items of at most 1 / 3 / 8 (aligned) / 9 / 13 rows (``SlotTile.rows``) in windows of 8 /
+    16 / 8 / 16 / 24 rows (the wgmma's N), the epilogue's factors and bias in; each set bit of
+    a row count one store."""
     check_slot_matmul(fmt, k, compiled=False, k_splits=k_splits, item_rows=item_rows,
                       bias_dtype=jnp.float32)
 
@@ -230,12 +231,15 @@ def test_compiled_slot_matmul_small_windows(item_rows, fmt, k, k_splits):
 
 
 def test_item_rows_and_windows():
-    """Items of min(16, T) rows at T tokens, read in windows of 8 (1 row), 16 (2-9), 24 (10-16)
-    from an 8-aligned row; a ``SlotTile``'s rows in [1, 16]."""
-    assert [choose_item_rows(t) for t in (1, 2, 3, 9, 16, 64)] == [1, 2, 3, 9, 16, 16]
-    assert [window(r) for r in (1, 2, 9, 10, 16)] == [8, 16, 16, 24, 24]
-    assert SlotTile(rows=3).window == 16 and SlotTile().window == 24
-    assert window_rows(45, 1) == 48 and window_rows(45) == 64
+    """Items of 1 row at 1 token, aligned items of 8 rows at 2-8 tokens (BF16: 16) and 16 from
+    9, read in windows of 8 (1 and 8 rows), 16 (2-7, 9, 16 rows), 24 (10-15) from an 8-aligned
+    row; a ``SlotTile``'s rows in [1, 16]."""
+    assert [choose_item_rows(t) for t in (1, 2, 3, 8, 9, 16, 64)] == [1, 8, 8, 8, 16, 16, 16]
+    assert [choose_item_rows(t, "bf16") for t in (1, 2, 8, 9)] == [1, 16, 16, 16]
+    assert choose_item_rows(3, "nvfp4") == 8
+    assert [window(r) for r in (1, 2, 7, 8, 9, 10, 15, 16)] == [8, 16, 16, 8, 16, 24, 24, 16]
+    assert SlotTile(rows=3).window == 16 and SlotTile().window == 16
+    assert window_rows(45, 1) == 48 and window_rows(45) == 56 and window_rows(45, 8) == 48
     assert choose_slot_tile(768, fmt="fp8", rows=2).rows == 2
     for bad in (0, 17, 2.0):
         with pytest.raises(ValueError, match="SlotTile.rows: expected an int in"):
@@ -251,10 +255,13 @@ def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, block_k: int
     scale, global_scale = w.get("scale"), w.get("global_scale")
     name = format_name(fmt, w["w"].dtype)
     # (expert, first row, rows): rows 0-15, 16 (1 row), 19-31 (13), 33-39 (7), 42-44 (3), each
-    # cut into items of at most item_rows rows
-    work = [(e, r0 + c, min(item_rows, count - c)) if count else (e, r0, 0)
-            for e, r0, count in [(2, 0, 16), (0, 16, 1), (3, 19, 13), (1, 33, 7), (4, 0, 0),
-                                 (2, 42, 3)] for c in range(0, max(count, 1), item_rows)]
+    # cut into items of at most item_rows rows (kernel.cut_base: aligned for multiples of 8)
+    work = [(4, 0, 0)]
+    for e, r0, count in [(2, 0, 16), (0, 16, 1), (3, 19, 13), (1, 33, 7), (2, 42, 3)]:
+        base = cut_base(r0, item_rows)
+        for c in range(int(item_count(r0, count, item_rows))):
+            start = max(r0, base + c * item_rows)
+            work.append((e, start, min(r0 + count, base + (c + 1) * item_rows) - start))
     work = jnp.asarray(np.array(work).T, jnp.int32)
     a_dtype = jnp.bfloat16 if fmt is BF16 else jnp.float16
     rows = window_rows(p, item_rows)
@@ -299,13 +306,15 @@ def test_fp4_rows_and_scales_far_apart(fmt):
 @pytest.mark.parametrize("pattern", ["random", "repeated", "one_expert", "zero_experts",
                                      "all_zero", "dup_in_token"])
 @pytest.mark.parametrize("t,k,item_rows", [(1, 4, 16), (1, 4, 1), (8, 2, 16), (8, 2, 3),
-                                           (21, 6, 16), (21, 6, 8), (64, 6, 16)])
+                                           (8, 4, 8), (21, 6, 16), (21, 6, 8), (21, 6, 5),
+                                           (64, 6, 16)])
 def test_work_items_cut_each_slot_into_chunks(pattern, t, k, item_rows):
     """Items hold 1..item_rows rows of one expert, in order, covering every routed row once
     and no other row (repeated experts of a token, "dup_in_token", make runs longer than T:
-    cut too); items past the last are (E, routed rows, 0); the static bound W = min(U +
-    cdiv(P, item_rows), P) holds. The Pallas plan launches (a pairwise program up to 32 pairs,
-    then a radix-sort program) cut the same items as XLA's cut of the XLA plan."""
+    cut too), each inside its window (``start % 8 + rows <= window(item_rows)``; a slot cut
+    only where it must be: ``kernel.cut_base``); items past the last are (E, routed rows, 0);
+    the static bound ``num_items`` holds. The Pallas plan launches (a pairwise program up to
+    32 pairs, then a radix-sort program) cut the same items as XLA's cut of the XLA plan."""
     ids = routing(pattern, t, k)
     plan = make_plan(ids, E)
     assert plan.items is None
@@ -316,10 +325,14 @@ def test_work_items_cut_each_slot_into_chunks(pattern, t, k, item_rows):
     np.testing.assert_array_equal(work_items(in_plan, E, item_rows), items)
     expert, first, rows = np.asarray(plan.work)
     p = t * k
-    chex.assert_shape(items, (3, min(min(E, p) + -(-p // item_rows), p)))
+    chex.assert_shape(items, (3, num_items(min(E, p), p, item_rows)))
     ie, istart, icount = items
     live = icount > 0
     assert (icount <= item_rows).all() and (icount >= 0).all()
+    assert (istart[live] % 8 + icount[live] <= window(item_rows)).all(), "inside its window"
+    for f, n in zip(first[rows > 0], rows[rows > 0], strict=True):  # the fewest items
+        least = -(-n // item_rows) if item_rows % 8 else -(-(f % 8 + n) // item_rows)
+        assert ((istart >= f) & (istart < f + n) & live).sum() == least
     assert not live[live.sum():].any(), "unused items last"
     np.testing.assert_array_equal(ie[~live], E)
     np.testing.assert_array_equal(istart[~live], rows.sum())
@@ -375,7 +388,7 @@ def test_slot_matmul_bad_inputs_raise():
         slot_matmul(work, a, w, s[:, :1], fp8_block=FP8_BLOCK)
     with pytest.raises(ValueError, match="a: expected"):
         slot_matmul(work, a.astype(jnp.bfloat16), w, s, fp8_block=FP8_BLOCK)
-    with pytest.raises(ValueError, match=r"row_factor: expected \[24\] float32"):
+    with pytest.raises(ValueError, match=r"row_factor: expected \[16\] float32"):
         slot_matmul(work, a, w, s, fp8_block=FP8_BLOCK, row_factor=jnp.ones((23,)))
     with pytest.raises(ValueError, match=r"bias: expected \[2, 128\] bfloat16"):
         slot_matmul(work, a, w, s, fp8_block=FP8_BLOCK, bias=jnp.ones((2, 128), jnp.int32))
@@ -522,9 +535,9 @@ def test_fused_launch_extra_stack_and_bad_inputs():
     with pytest.raises(ValueError, match=r"down: expected \[E, 192, 128\]"):
         slot_mlp(work, a, factor, kw["gate_up"], kw["gate_up"], kw["gate_up_scale"],
                  kw["gate_up_scale"], **opts)
-    with pytest.raises(ValueError, match=r"a: expected \[R >= 24, 192\] float16"):
+    with pytest.raises(ValueError, match=r"a: expected \[R >= 16, 192\] float16"):
         slot_mlp(work, a.astype(jnp.bfloat16), factor, *args, **opts)
-    with pytest.raises(ValueError, match=r"a_factor: expected \[24\] float32"):
+    with pytest.raises(ValueError, match=r"a_factor: expected \[16\] float32"):
         slot_mlp(work, a, factor[:8], *args, **opts)
     with pytest.raises(ValueError, match="tiles: expected the same rows in both"):
         slot_mlp(work, a, factor, *args, tiles=(SlotTile(rows=1), SlotTile()), **opts)

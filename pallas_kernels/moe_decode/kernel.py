@@ -134,8 +134,9 @@ class DecodePlan(NamedTuple):
     row_of_pair: jax.Array  # [T, k] int32 sorted row of each (token, slot) pair
     routed: jax.Array  # [T, k] bool: the pair goes to a real expert (False: zero expert)
     # [3, W] int32 work items (make_plan's item_rows, from the Pallas plan launch): each slot
-    # cut into chunks of at most item_rows rows (expert, first sorted row, row count); items
-    # past the last: (E, routed rows, 0). None: not cut (``mosaic.work_items`` cuts in XLA)
+    # cut into items of at most item_rows rows (``cut_base``; expert, first sorted row, row
+    # count); items past the last: (E, routed rows, 0). None: not cut (``mosaic.work_items``
+    # cuts in XLA)
     items: jax.Array | None = None
 
 
@@ -289,18 +290,40 @@ def _plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *items_re
         return
     (items_ref,) = items_ref
     rows = jnp.int32(item_rows)
-    chunks = jax.lax.div(count + (rows - 1), rows)  # items of each pair's expert
+    chunks = item_count(row, count, item_rows)  # items of each lead pair's expert (cut_base)
+    base = cut_base(row, item_rows)
     first_item = jnp.sum(jnp.where(lead_less, chunks[None, :], 0), axis=1)
-    for c in range(pl.cdiv(p, item_rows)):  # the c-th item of each expert
-        _entries(items_ref, first_item + c,
-                 (key, row + c * rows, jnp.minimum(count - c * rows, rows)), lead & (c < chunks))
+    for c in range(num_items(1, p, item_rows)):  # the c-th item of each expert
+        start = jnp.maximum(row, base + c * rows)
+        end = jnp.minimum(row + count, base + (c + 1) * rows)
+        _entries(items_ref, first_item + c, (key, start, end - start), lead & (c < chunks))
     _idle(items_ref, jnp.sum(jnp.where(lead, chunks, 0)), num_experts, num_routed)
 
 
+def cut_base(first, item_rows: int):
+    """Where the items of ``item_rows`` rows of a slot (its sorted rows ``[first, first +
+    count)``) are cut: at ``first`` and at every row ``i`` with ``(i - base) % item_rows ==
+    0``, ``base = first`` (items of ``item_rows`` rows from the slot's first row) or, for
+    ``item_rows`` a multiple of 8, ``first`` rounded down to 8: aligned items, each inside
+    the ``item_rows`` rows from its first row rounded down to 8 (``mosaic.window``: an
+    activation window of 8 rows, not 16, for items of up to 8). Int scalars or arrays."""
+    return first - first % 8 if item_rows % 8 == 0 else first
+
+
+def item_count(first, count, item_rows: int):
+    """The items ``cut_base`` cuts a slot of ``count >= 0`` rows from ``first`` into."""
+    base = cut_base(first, item_rows)
+    return jnp.where(count > 0, (first + count - 1 - base) // item_rows + 1, 0)
+
+
 def num_items(slots: int, pairs: int, item_rows: int) -> int:
-    """A static bound on the work items: ``sum(cdiv(rows_u, item_rows))`` is at most ``U +
-    cdiv(P, item_rows)``, and at most ``P`` (an item has a row)."""
-    return min(slots + pl.cdiv(pairs, item_rows), pairs)
+    """A static bound on the work items: a slot of ``c`` rows has at most ``cdiv(c,
+    item_rows)`` items, aligned ones (``cut_base``) at most ``(c + 6) // item_rows + 1``, so
+    all ``U`` slots at most ``U + cdiv(P, item_rows)`` or ``U + (P + 6 U) // item_rows``;
+    and at most ``P`` (an item has a row)."""
+    extra = (pairs + 6 * slots) // item_rows if item_rows % 8 == 0 else pl.cdiv(pairs,
+                                                                               item_rows)
+    return min(slots + extra, pairs)
 
 
 def _plan_call(kernel, expert_ids: jax.Array, num_experts: int, *, name: str, num_warps: int,
@@ -419,11 +442,12 @@ def _radix_plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *it
     rows = jnp.int32(item_rows)
     sync()
     first, count = slot_entry(1, routed), slot_entry(2, routed)  # every row: its run's
-    chunks = jnp.where(ends, jax.lax.div(count + (rows - 1), rows), 0)  # a run's items
-    off = r - first  # row within its run
+    chunks = jnp.where(ends, item_count(first, count, item_rows), 0)  # a run's items
+    off = r - cut_base(first, item_rows)  # row from its run's cut base
     item = jax.lax.cumsum(chunks, axis=0) - chunks + jax.lax.div(off, rows)
-    _entries(items_ref, item, (key, r, jnp.minimum(count - off, rows)),
-             routed & (jax.lax.rem(off, rows) == 0))
+    end = jnp.minimum(first + count, r - jax.lax.rem(off, rows) + rows)  # its item's end
+    _entries(items_ref, item, (key, r, end - r),
+             routed & ((jax.lax.rem(off, rows) == 0) | (r == first)))
     _idle(items_ref, jnp.sum(chunks), num_experts_, num_routed)
 
 

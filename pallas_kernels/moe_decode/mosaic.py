@@ -10,15 +10,15 @@ e4m3 -> f16 in registers (``cvt.rn.f16x2.e4m3x2``, one warp shuffle to the 16-bi
 layout), and into ``wgmma`` as the A operand: no second trip through SMEM.
 
 Work items. The decode plan (``kernel.make_plan``: pairs sorted by expert, one slot per
-distinct expert) is cut into chunks of at most ``r = choose_item_rows(T)`` rows (``min(16,
-T)``: at T tokens no expert of top-k routing has more; ``work_items``): work item ``w`` owns
-sorted rows ``[start_w, start_w + count_w)`` of one expert ``e_w``; there are at most
-``min(U + P / r, P)`` of them (a static bound; unused items have 0 rows and their programs
-exit at once). The activations come in sorted-row order ``a [R, K]`` (``R = window_rows(P,
-r)``: the rows past ``P`` are read by the last windows only): a program reads the window of
-``window(r)`` rows (8 at 1 token, 16 at 2-9, 24 from 10) from ``start_w`` rounded down to a
-multiple of 8 (a TMA into tiled SMEM starts at an 8-aligned row) and its item's rows sit at
-offset ``start_w % 8`` in it.
+distinct expert) is cut into items of at most ``r = choose_item_rows(T)`` rows (1 at 1 token,
+8 at 2-8, 16 from 9; a multiple of 8 cuts at 8-aligned rows, ``kernel.cut_base``;
+``work_items``): work item ``w`` owns sorted rows ``[start_w, start_w + count_w)`` of one
+expert ``e_w``; there are at most ``kernel.num_items(U, P, r)`` of them (a static bound;
+unused items have 0 rows and their programs exit at once). The activations come in sorted-row
+order ``a [R, K]`` (``R = window_rows(P, r)``: the rows past ``P`` are read by the last windows
+only): a program reads the window of ``window(r)`` rows (8 at 1-8 tokens, 16 from 9) from
+``start_w`` rounded down to a multiple of 8 (a TMA into tiled SMEM starts at an 8-aligned
+row) and its item's rows sit at offset ``start_w % 8`` in it.
 
 Kernel (``slot_matmul``): ``out[r, n] = sum_k w[e_w, n, k] * scale(e_w, n, k) * a[r, k]`` for
 every sorted row ``r`` of every item, in sorted-row order like the Triton kernels' output
@@ -104,6 +104,8 @@ from pallas_kernels.moe_decode.kernel import (
     DecodePlan,
     ExtraExperts,
     _epilogue,
+    cut_base,
+    item_count,
     make_plan,
     num_items,
     pairs_of,
@@ -119,27 +121,33 @@ NUM_STAGES_WIDE = 2  # the same for FP4 steps of 192 / 256 (20 / 16 / 12 KB a st
 #   windows of 24 / 16 / 8; H200, at 24: NOTES)
 SCALE_PREFETCH = 3  # K steps a scale load is issued before its step (1: the step before)
 BLOCK_N = 64  # weight rows a program (the wgmma's M)
-# Items of at most T rows at T tokens (``choose_item_rows``): windows of 8 rows at 1 token, 16
-# at 2-9, 24 from 10. H200, windows of 24 -> 16: Qwen3
-# FP8 / NVFP4 / MXFP4 8 tokens 87.0 -> 84.5 / 70.9 -> 64.5 / 76.5 -> 67.9 us (NOTES, session
-# 25). MIN_ITEM_ROWS: the fewest rows an item is cut to (a wider window at 1 token).
+# Items at T tokens (``choose_item_rows``): 1 row at 1 token (windows of 8), aligned items of 8
+# rows at 2-8 tokens (windows of 8; BF16 16), of 16 from 9 (windows of 16). H200, windows of
+# 24 -> 16: Qwen3 FP8 / NVFP4 / MXFP4 8 tokens 87.0 -> 84.5 / 70.9 -> 64.5 / 76.5 -> 67.9 us
+# (NOTES, session 25); 16 -> 8: NOTES, session 27. MIN_ITEM_ROWS: the fewest rows an item is
+# cut to (a wider window at 1 token).
 MIN_ITEM_ROWS = 1
 
 
 def window(rows: int) -> int:
-    """Activation rows a program reads (the wgmma's N) for items of at most ``rows`` rows: from
+    """Activation rows a program reads (the wgmma's N) for items of at most ``rows`` rows, from
     the item's first row rounded down to a multiple of 8 (a TMA into tiled SMEM starts at an
-    8-aligned row) past its last: 8 for 1 row, 16 for 2-9, 24 for 10-16."""
-    return 8 * -(-(7 + rows) // 8)
+    8-aligned row) past its last: ``rows`` for a multiple of 8 (aligned items,
+    ``kernel.cut_base``), else 8 for 1 row, 16 for 2-7 and 9, 24 for 10-15."""
+    return rows if rows % 8 == 0 else 8 * -(-(7 + rows) // 8)
 
 
-def choose_item_rows(tokens: int) -> int:
-    """Pure heuristic: the rows work items are cut to at ``tokens`` tokens, ``min(ROWS,
-    tokens)`` (at least ``MIN_ITEM_ROWS``): no expert of top-k routing (distinct experts a
-    token) gets more, so none is cut into two items that would both read its weights. A
-    router that repeats an expert within a token (a hash table) gets its longer runs cut:
-    still correct."""
-    return max(MIN_ITEM_ROWS, min(ROWS, tokens))
+def choose_item_rows(tokens: int, fmt: str | None = None) -> int:
+    """Pure heuristic: the rows work items are cut to at ``tokens`` tokens: 1 at 1 token (at
+    least ``MIN_ITEM_ROWS``), aligned items (``kernel.cut_base``) of 8 rows at 2-8 tokens (16
+    for BF16 ``fmt``) and of 16 from 9. An expert's rows (at most T under top-k routing) are
+    one item unless they cross a cut: with 8-row items that is ~1 of 54 experts at 8 tokens
+    (Qwen3-30B-A3B; its weights read twice) for windows of 8 rows in place of 16, which pays
+    where activations are a large share of a program's bytes (FP8, FP4: NOTES, session 27);
+    16-row items cut only slots of 10 rows or more."""
+    if tokens <= 1:
+        return max(MIN_ITEM_ROWS, 1)
+    return 8 if tokens <= 8 and fmt != "bf16" else ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1229,17 +1237,18 @@ def _h_program_jnp(gu_ref, h_ref, hf_ref, first, count, *, splits: int, rows: in
                    block_k: int | None):
     """Interpret mode's ``_h_program_inline``: the same rows by jnp (``rows.h_rows``' math);
     ``h_ref``'s columns past I (the interpreter's padding to whole K steps) get zeros."""
-    inter, n = gu_ref.shape[1] // 2, H_PROGRAM_ROWS
-    gu = gu_ref[pl.ds(first, n), :]
+    inter, n = gu_ref.shape[1] // 2, min(H_PROGRAM_ROWS, rows)
+    at = jnp.minimum(first, rows - n)  # n rows from here hold the program's, inside R
+    gu = gu_ref[pl.ds(at, n), :]
     for s in range(1, splits):
-        gu = gu + gu_ref[pl.ds(s * rows + first, n), :]
+        gu = gu + gu_ref[pl.ds(s * rows + at, n), :]
     gate, up = split_gate_up(gu, layout)
     h = row_launches._round_to_bf16(_epilogue(gate, up, activation, limit, alpha))
     new, factor = row_launches.rows_reference(h, block_k)
     new = jnp.pad(new, ((0, 0), (0, h_ref.shape[1] - inter)))
-    valid = jnp.arange(n) < count
-    h_ref[pl.ds(first, n), :] = jnp.where(valid[:, None], new, h_ref[pl.ds(first, n), :])
-    hf_ref[pl.ds(first, n)] = jnp.where(valid, factor, hf_ref[pl.ds(first, n)])
+    valid = (at + jnp.arange(n) >= first) & (at + jnp.arange(n) < first + count)
+    h_ref[pl.ds(at, n), :] = jnp.where(valid[:, None], new, h_ref[pl.ds(at, n), :])
+    hf_ref[pl.ds(at, n)] = jnp.where(valid, factor, hf_ref[pl.ds(at, n)])
 
 
 def _f32c(v):
@@ -1671,26 +1680,28 @@ def slot_mlp(
 
 def work_items(plan: DecodePlan, num_experts: int, item_rows: int = ROWS) -> jax.Array:
     """``[3, W]`` int32 (expert, first sorted row, row count): the decode plan's slots cut into
-    items of at most ``item_rows`` rows, on device; items past the last are ``(num_experts,
-    routed rows, 0)``. ``W = kernel.num_items(U, P, item_rows)`` bounds their number. The
-    plan's own ``items`` where the Pallas plan launch cut them (``make_plan(item_rows=)``,
-    the same ``item_rows``), else XLA (a cumsum)."""
+    items of at most ``item_rows`` rows (``kernel.cut_base``), on device; items past the last
+    are ``(num_experts, routed rows, 0)``. ``W = kernel.num_items(U, P, item_rows)`` bounds
+    their number. The plan's own ``items`` where the Pallas plan launch cut them
+    (``make_plan(item_rows=)``, the same ``item_rows``), else XLA (a cumsum)."""
     if plan.items is not None:
         return plan.items
     expert, first, rows = plan.work  # [U]
     u_slots = expert.shape[0]
     items = num_items(u_slots, plan.token_of_row.shape[0], item_rows)
-    chunks = lax.div(rows + item_rows - 1, item_rows)  # [U]
+    chunks = item_count(first, rows, item_rows)  # [U]
     ends = jnp.cumsum(chunks)  # [U] inclusive
     w = jnp.arange(items, dtype=jnp.int32)
     slot = jnp.sum((ends[None, :] <= w[:, None]).astype(jnp.int32), axis=1)  # [W]
     slot_c = jnp.minimum(slot, u_slots - 1)
     c = w - (ends[slot_c] - chunks[slot_c])  # chunk within its slot
     used = slot < u_slots
-    count = jnp.where(used, jnp.clip(rows[slot_c] - c * item_rows, 0, item_rows), 0)
+    base = cut_base(first[slot_c], item_rows)
+    start = jnp.maximum(first[slot_c], base + c * item_rows)
+    end = jnp.minimum(first[slot_c] + rows[slot_c], base + (c + 1) * item_rows)
     return jnp.stack([jnp.where(used, expert[slot_c], num_experts),
-                      jnp.where(used, first[slot_c] + c * item_rows, jnp.sum(rows)),
-                      count]).astype(jnp.int32)
+                      jnp.where(used, start, jnp.sum(rows)),
+                      jnp.where(used, end - start, 0)]).astype(jnp.int32)
 
 
 _MOSAIC_STATIC = ("fmt", "activation", "gate_up_layout", "limit", "alpha", "block_size", "tile",
@@ -1785,7 +1796,7 @@ def moe_decode_mosaic_pairs(
         e_all += extra.gate_up.shape[0]
     p = expert_ids.size
     if tile is None:
-        item_rows = choose_item_rows(x.shape[0])
+        item_rows = choose_item_rows(x.shape[0], fmt)
         tile = (choose_slot_tile(hidden, fmt=fmt, rows=item_rows),
                 choose_slot_tile(inter, fmt=fmt, rows=item_rows))
     item_rows = _item_rows(tile, "tile")
