@@ -46,6 +46,9 @@ from pallas_kernels.moe_decode.kernel import (
     _pallas_plan,
     _pallas_radix_plan,
     _sorted_plan,
+    cut_base,
+    item_count,
+    num_items,
 )
 from tests.test_moe import make, token_ids_for
 
@@ -478,6 +481,32 @@ def test_plan_covers_every_routed_pair_once(pattern, t, k, builder):
     np.testing.assert_array_equal(covered[real.sum():], 0)
     pair_rows = row_of_pair.reshape(-1)
     np.testing.assert_array_equal(tok[pair_rows], np.arange(t * k) // k)
+
+
+@pytest.mark.parametrize("item_rows", [1, 3, 5, 8, 13, 16])
+def test_num_items_bounds_every_cut(item_rows):
+    """``num_items(U, P, r)`` is at least the items ``cut_base`` cuts any ``U`` slots of ``P``
+    rows in all into (slots laid out in order, sizes from 0 to past ``r``; aligned cuts,
+    ``r`` a multiple of 8, split a slot that crosses one), and the bound is reached."""
+    rng = np.random.default_rng(item_rows)
+    reached = 0
+    for trial in range(3000):
+        u = int(rng.integers(1, 24))
+        counts = rng.integers(0, int(rng.integers(1, 3 * item_rows + 8)), u)
+        if trial == 0:  # slots of one row: P items, the bound
+            counts = np.ones(u, np.int64)
+        p = int(counts.sum())
+        if p == 0:
+            continue
+        firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        cuts = int(sum(item_count(int(f), int(c), item_rows) for f, c in zip(firsts, counts,
+                                                                             strict=True)))
+        bound = num_items(u, p, item_rows)
+        assert cuts <= bound, (u, p, counts)
+        reached += cuts == bound
+        bases = np.array([cut_base(int(f), item_rows) for f in firsts])
+        np.testing.assert_array_equal(firsts - bases, firsts % 8 if item_rows % 8 == 0 else 0)
+    assert reached
 
 
 @pytest.mark.parametrize("item_rows", [1, 5, 8, 16])

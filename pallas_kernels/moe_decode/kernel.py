@@ -318,11 +318,14 @@ def item_count(first, count, item_rows: int):
 
 def num_items(slots: int, pairs: int, item_rows: int) -> int:
     """A static bound on the work items: a slot of ``c`` rows has at most ``cdiv(c,
-    item_rows)`` items, aligned ones (``cut_base``) at most ``(c + 6) // item_rows + 1``, so
-    all ``U`` slots at most ``U + cdiv(P, item_rows)`` or ``U + (P + 6 U) // item_rows``;
-    and at most ``P`` (an item has a row)."""
-    extra = (pairs + 6 * slots) // item_rows if item_rows % 8 == 0 else pl.cdiv(pairs,
-                                                                               item_rows)
+    item_rows)`` items, aligned ones (``cut_base``, ``r = item_rows``) at most ``1 + (c + 6)
+    // r``, and ``(c + 6) // r <= c / (r - 6)``; so all ``U`` slots at most ``U + cdiv(P,
+    r)``, aligned ``U + min((P + 6 U) // r, P // (r - 6))``; and at most ``P`` (an item has
+    a row)."""
+    if item_rows % 8 == 0:
+        extra = min((pairs + 6 * slots) // item_rows, pairs // (item_rows - 6))
+    else:
+        extra = pl.cdiv(pairs, item_rows)
     return min(slots + extra, pairs)
 
 
