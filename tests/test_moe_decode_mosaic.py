@@ -27,7 +27,7 @@ import atlas_jax as aj
 from atlas_jax.config import ActQuant, Format
 from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout, WeightFormat
 from pallas_kernels.moe_decode import ExtraExperts, make_plan, moe_decode_pairs_reference, mosaic
-from pallas_kernels.moe_decode.kernel import RADIX_PLAN_MAX_PAIRS, cut_base, item_count, num_items
+from pallas_kernels.moe_decode.kernel import RADIX_PLAN_MAX_PAIRS, item_count, item_span, num_items
 from pallas_kernels.moe_decode.mosaic import (
     ROWS,
     SlotTile,
@@ -258,10 +258,9 @@ def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, block_k: int
     # cut into items of at most item_rows rows (kernel.cut_base: aligned for multiples of 8)
     work = [(4, 0, 0)]
     for e, r0, count in [(2, 0, 16), (0, 16, 1), (3, 19, 13), (1, 33, 7), (2, 42, 3)]:
-        base = cut_base(r0, item_rows)
         for c in range(int(item_count(r0, count, item_rows))):
-            start = max(r0, base + c * item_rows)
-            work.append((e, start, min(r0 + count, base + (c + 1) * item_rows) - start))
+            start, end = (int(v) for v in item_span(r0, count, c, item_rows))
+            work.append((e, start, end - start))
     work = jnp.asarray(np.array(work).T, jnp.int32)
     a_dtype = jnp.bfloat16 if fmt is BF16 else jnp.float16
     rows = window_rows(p, item_rows)

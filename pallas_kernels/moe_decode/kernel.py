@@ -289,13 +289,10 @@ def _plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *items_re
     if item_rows is None:
         return
     (items_ref,) = items_ref
-    rows = jnp.int32(item_rows)
     chunks = item_count(row, count, item_rows)  # items of each lead pair's expert (cut_base)
-    base = cut_base(row, item_rows)
     first_item = jnp.sum(jnp.where(lead_less, chunks[None, :], 0), axis=1)
     for c in range(num_items(1, p, item_rows)):  # the c-th item of each expert
-        start = jnp.maximum(row, base + c * rows)
-        end = jnp.minimum(row + count, base + (c + 1) * rows)
+        start, end = item_span(row, count, c, item_rows)
         _entries(items_ref, first_item + c, (key, start, end - start), lead & (c < chunks))
     _idle(items_ref, jnp.sum(jnp.where(lead, chunks, 0)), num_experts, num_routed)
 
@@ -314,6 +311,14 @@ def item_count(first, count, item_rows: int):
     """The items ``cut_base`` cuts a slot of ``count >= 0`` rows from ``first`` into."""
     base = cut_base(first, item_rows)
     return jnp.where(count > 0, (first + count - 1 - base) // item_rows + 1, 0)
+
+
+def item_span(first, count, c, item_rows: int):
+    """``(start, end)``: the sorted rows of item ``c`` (``< item_count``) of a slot of
+    ``count`` rows from ``first``, cut by ``cut_base``."""
+    base = cut_base(first, item_rows)
+    return (jnp.maximum(first, base + c * item_rows),
+            jnp.minimum(first + count, base + (c + 1) * item_rows))
 
 
 def num_items(slots: int, pairs: int, item_rows: int) -> int:

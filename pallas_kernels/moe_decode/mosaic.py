@@ -104,8 +104,8 @@ from pallas_kernels.moe_decode.kernel import (
     DecodePlan,
     ExtraExperts,
     _epilogue,
-    cut_base,
     item_count,
+    item_span,
     make_plan,
     num_items,
     pairs_of,
@@ -1696,9 +1696,7 @@ def work_items(plan: DecodePlan, num_experts: int, item_rows: int = ROWS) -> jax
     slot_c = jnp.minimum(slot, u_slots - 1)
     c = w - (ends[slot_c] - chunks[slot_c])  # chunk within its slot
     used = slot < u_slots
-    base = cut_base(first[slot_c], item_rows)
-    start = jnp.maximum(first[slot_c], base + c * item_rows)
-    end = jnp.minimum(first[slot_c] + rows[slot_c], base + (c + 1) * item_rows)
+    start, end = item_span(first[slot_c], rows[slot_c], c, item_rows)
     return jnp.stack([jnp.where(used, expert[slot_c], num_experts),
                       jnp.where(used, start, jnp.sum(rows)),
                       jnp.where(used, end - start, 0)]).astype(jnp.int32)
