@@ -171,6 +171,18 @@ def test_compiled_slot_matmul_wide_fp4_steps(fmt, block_k, k, k_splits):
     check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, block_k=block_k)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
+@pytest.mark.parametrize("parts", [1, 2, 4])
+@pytest.mark.parametrize("item_rows,k,k_splits", [(8, 768, 1), (16, 2048, 2), (1, 512, 1)])
+def test_compiled_fp4_parts(monkeypatch, fmt, parts, item_rows, k, k_splits):
+    """A compiled FP4 K step of 256 dotted as one wgmma, two of 128 or four of 64 (a thread's
+    8-byte code loads, each part's activation columns), at windows of 8 and 16 rows."""
+    with mosaic_constants(monkeypatch, FP4_PARTS=parts):
+        check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, block_k=256,
+                          item_rows=item_rows, bias_dtype=jnp.float32)
+
+
 @pytest.mark.parametrize("fmt", [FP8, BF16], ids=lambda f: f.value)
 @pytest.mark.parametrize("k,k_splits", [(192, 1), (192, 2), (320, 3)])  # 128 + 64; 2 x 128 + 64
 def test_slot_matmul_ragged_k(fmt, k, k_splits):
@@ -754,6 +766,17 @@ class TestLowersForHopper:
 
         text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
         assert "mosaic_gpu" in text
+
+    @pytest.mark.parametrize("parts", [1, 4])
+    @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda v: v.value)
+    def test_fp4_parts_lower(self, monkeypatch, fmt, parts):
+        """FP4 K steps of 256 dotted as one wgmma or four (8-byte code loads a part); an
+        unsupported count is refused."""
+        with mosaic_constants(monkeypatch, FP4_PARTS=parts):
+            self.test_lowers(fmt, 1536, 2048, 1)
+        with mosaic_constants(monkeypatch, FP4_PARTS=3), pytest.raises(
+                ValueError, match="3 parts of a K step of 256"):
+            self.test_lowers(fmt, 1536, 2048, 1)
 
     @pytest.mark.parametrize("fmt,h,inter,k_splits,variant", [
         (FP8, 2048, 768, (1, 1), dict()),  # Qwen3-30B-A3B

@@ -119,6 +119,7 @@ NUM_STAGES_LONG = 4  # the same for K of at least LONG_K_STEPS steps of <= 128 (
 LONG_K_STEPS = 20  # gpt-oss's 23 steps of 128 take 4 stages; Qwen3's 16 (gate_up) 3
 NUM_STAGES_WIDE = 2  # the same for FP4 steps of 192 / 256 (20 / 16 / 12 KB a stage at 256 and
 #   windows of 24 / 16 / 8; H200, at 24: NOTES)
+FP4_PARTS = 2  # wgmmas an FP4 K step of 256 is dotted in (1, 2 or 4; compiled only)
 SCALE_PREFETCH = 3  # K steps a scale load is issued before its step (1: the step before)
 BLOCK_N = 64  # weight rows a program (the wgmma's M)
 # Items at T tokens (``choose_item_rows``): 1 row at 1 token (windows of 8), aligned items of 8
@@ -410,10 +411,10 @@ def _matmul_program(
             operands_of = functools.partial(_fp4_operands_inline, tile=tile)
         first, advance = ahead(lambda kb: bits_of(at(kb)))
 
-        # compiled steps of 256 as two wgmmas of 128 in turn, the operand's registers reused:
-        # ptxas 121 -> 80 registers (Qwen3 NVFP4), 132 -> 105 (MXFP4); H200, MXFP4 8 / 64
-        # tokens -4.5% / -3%, NVFP4 even (NOTES, session 24)
-        halves = bk == 256 and not stage_w
+        # compiled steps of 256 as FP4_PARTS wgmmas in turn, the operand's registers reused:
+        # two of 128: ptxas 121 -> 80 registers (Qwen3 NVFP4), 132 -> 105 (MXFP4); H200, MXFP4
+        # 8 / 64 tokens -4.5% / -3%, NVFP4 even (NOTES, session 24)
+        parts = FP4_PARTS if bk == 256 and not stage_w else 1
 
         def step_operand(kb, w_smem, queue):
             """(this step's operand, its factors, the queue of the steps after it)."""
@@ -422,27 +423,28 @@ def _matmul_program(
             return staged(operands_of(w_smem, factors[0])), factors, queue
 
         def step_mma(acc_ref, kb, w_smem, a_smem, queue):
-            """Step ``kb``'s wgmma into ``acc_ref``, waited: one of ``[bn, bk]``, or
-            (``halves``) two of ``[bn, bk / 2]`` in turn, each half's operand converted after
-            the previous wgmma (their registers reused). (factors, queue)."""
-            if not halves:
+            """Step ``kb``'s wgmma into ``acc_ref``, waited: one of ``[bn, bk]``, or ``parts``
+            of ``[bn, bk / parts]`` in turn, each part's operand converted after the previous
+            wgmma (their registers reused). (factors, queue)."""
+            if parts == 1:
                 w, factors, queue = step_operand(kb, w_smem, queue)
                 plgpu.wgmma(acc_ref, w, a_smem.transpose((1, 0)))  # [bn, bk] x [bk, wn]
                 plgpu.wgmma_wait(0)  # w's registers and the activation tile are free again
                 return factors, queue
             bits, queue = advance(kb, queue)
             factors = factors_of(bits)
-            for h in range(2):
-                w = operands_of(w_smem, factors[0], half=h)
-                a_half = a_smem.at[:, pl.ds(h * (bk // 2), bk // 2)]
-                plgpu.wgmma(acc_ref, w, a_half.transpose((1, 0)))
+            cols = bk // parts
+            for h in range(parts):
+                w = operands_of(w_smem, factors[0], part=h, parts=parts)
+                a_part = a_smem.at[:, pl.ds(h * cols, cols)]
+                plgpu.wgmma(acc_ref, w, a_part.transpose((1, 0)))
                 plgpu.wgmma_wait(0)
             return factors, queue
 
         if fmt == "mxfp4":
             def step(idx, w_smem, a_smem, carry):
                 acc, queue = carry
-                if halves:
+                if parts > 1:
                     def mma(part):
                         factors, queue_ = step_mma(part, idx[0], w_smem, a_smem, queue)
                         return part[...], factors, queue_
@@ -674,10 +676,12 @@ def _fp4_operands_jnp(w_smem, factors):
     return _to_operand_order(_e2m1_as_e4m3(nibbles).astype(jnp.float16)) * factors
 
 
-def _splat_f16x2(bits):
-    """i32 whose low 16 bits are an f16 -> vector<2xf16> holding it twice."""
-    pair = arith.ori(bits, arith.shli(bits, _i32(16)))
-    return mgpu.utils.bitcast(pair, ir.VectorType.get((2,), ir.F16Type.get()))
+def _splat_f16x2(bits, half: int = 0):
+    """i32 holding two f16 -> vector<2xf16> holding half ``half`` (0: the low) twice: a lane
+    shuffle, which ptxas folds into the HMUL2 that reads it (an operand's ``.H0_H0`` /
+    ``.H1_H1``), no instruction of its own."""
+    pair = mgpu.utils.bitcast(bits, ir.VectorType.get((2,), ir.F16Type.get()))
+    return vector.shuffle(pair, pair, [half, half])
 
 
 _ROW_CARRIER = plgpu.Layout.WGMMA.reduce(1)  # [bn] f32: one register a thread's row half
@@ -838,8 +842,7 @@ def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile):
                     pair = words[0] if half == 0 else arith.shrui(words[0], _i32(16))
                     f = mgpu.utils.inline_ptx("cvt.rn.f16x2.e4m3x2 $0, $1;",
                                               arith.trunci(i16, pair), result_types=i32)
-                    per_slot += [_splat_f16x2(arith.andi(f, _i32(0xFFFF))),
-                                 _splat_f16x2(arith.shrui(f, _i32(16)))]
+                    per_slot += [_splat_f16x2(f, 0), _splat_f16x2(f, 1)]
                 per_slot = per_slot[:used]
             else:  # the step's max E8M0 byte, then each slot's own group's
                 top = _i32(0)
@@ -901,21 +904,20 @@ def _fp4_word_to_f16x2(word):
             yield 2 * hh + j, pair
 
 
-def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile, half: int | None = None):
+def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile, part: int = 0, parts: int = 1):
     """The code tile ``w_smem [bn, bk / 2]`` (``_code_transforms``) -> the f16 A operand
     ``[bn, bk]`` (WGMMA layout) with the step's factors (``_fp4_factors_inline``'s carrier)
-    multiplied in; its columns hold K columns ``fp4_operand_order``. ``half`` (0 or 1, ``bk``
-    256): only operand columns ``[half * bk / 2, (half + 1) * bk / 2)``, ``[bn, bk / 2]`` (a
-    thread's words of that half: its 16-byte load ``half``)."""
+    multiplied in; its columns hold K columns ``fp4_operand_order``. ``parts`` > 1: only
+    operand columns ``[part * bk / parts, (part + 1) * bk / parts)``, ``[bn, bk / parts]`` (a
+    thread's words of that part: its loads of that part's bytes)."""
     bn, bk = BLOCK_N, tile.block_k
-    words = bk // 32  # 32-bit words a thread reads of a row (bk / 8 bytes)
-    load_bytes = 16 if words % 4 == 0 else 8  # SMEM loads of 16 bytes (8 at bk = 64, 192)
-    loads = range(bk // 8 // load_bytes)
-    if half is not None:
-        if bk != 256:
-            raise ValueError(f"half: K steps of 256 split in two, not {bk}")
-        loads = range(half, half + 1)
-    cols = bk if half is None else bk // 2
+    per_part = bk // 8 // parts  # bytes a thread reads of a row for one part
+    if parts not in (1, 2, 4) or per_part % 8:
+        raise ValueError(f"{parts} parts of a K step of {bk}: each part must be 8 bytes a "
+                         f"thread's row")
+    load_bytes = 16 if per_part % 16 == 0 else 8  # SMEM loads of 16 bytes (8 where they must)
+    loads = range(part * per_part // load_bytes, (part + 1) * per_part // load_bytes)
+    cols = bk // parts
     operand = plgpu.ShapeDtypeStruct((bn, cols), jnp.float16, layout=plgpu.Layout.WGMMA)
     row_bytes = bk // 2
     swizzle = _code_transforms(bk)[1].swizzle  # 8-row tiles this wide
@@ -949,7 +951,7 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile, half: int | None = 
                 vals += [vector.extract(vec, dynamic_position=[],
                                         static_position=ir.DenseI64ArrayAttr.get([w]))
                          for w in range(load_bytes // 4)]
-            skip = 0 if half is None else half * load_bytes // 4  # words before the first
+            skip = part * per_part // 4  # the thread's words of the row before the part's
             for w, word in enumerate(vals, start=skip):
                 # words 2s, 2s + 1 lie in the scale group of the carrier's slot s (NVFP4; an
                 # MXFP4 group spans two slots, which hold the same factor)
