@@ -224,7 +224,7 @@ def test_router_at_decode_size_picks_k_distinct_experts(router):
 def test_router_logits_row_sum_equals_the_matmul(router_dtype, monkeypatch):
     """Few tokens take the router matmul as a multiply + row sum, the router bias one more
     column of it; both forms agree (the bf16 router: to a bf16 ulp, where the two f32 sums
-    round across a bf16 boundary, the bias added before or after rounding)."""
+    round across a bf16 boundary)."""
     from atlas_jax.moe import routing
 
     p = make("gpt_oss", router_dtype=router_dtype)
@@ -236,6 +236,29 @@ def test_router_logits_row_sum_equals_the_matmul(router_dtype, monkeypatch):
     gemm = routing.router_logits(p, x)
     tol = 1e-6 if router_dtype == "float32" else 8e-3
     np.testing.assert_allclose(rows, gemm, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("bound", [0, 1 << 40], ids=["matmul", "row_sum"])
+def test_router_logits_with_bias_round_once(bound, monkeypatch):
+    """A bf16 router with a bias rounds ``x W^T + b`` to bf16 once, as ``F.linear``, on both
+    paths: inputs whose sums are exact in f32 (small integers) and fractional biases
+    give the float64 result rounded once, bit for bit (the matmul path had rounded the
+    products, then the sum with the bias: a bf16 ulp off for some logits)."""
+    from atlas_jax.moe import routing
+
+    p = make("gpt_oss", router_dtype="bfloat16")
+    rng = np.random.default_rng(0)
+    e, h = p.router.shape
+    w = rng.integers(-64, 65, (e, h)).astype(np.float64)
+    b = rng.integers(-64, 65, e) / 64.0
+    x = rng.integers(-3, 4, (7, h)).astype(np.float64)
+    p = dataclasses.replace(p, router=jnp.asarray(w, jnp.bfloat16),
+                            router_bias=jnp.asarray(b, jnp.bfloat16))
+    monkeypatch.setattr(routing, "ROUTER_REDUCE_MAX_PRODUCTS", bound)
+    got = np.asarray(routing.router_logits(p, jnp.asarray(x, jnp.bfloat16)))
+    want = np.asarray(jnp.asarray(x @ w.T + b, jnp.float32).astype(jnp.bfloat16), np.float32)
+    assert np.median(np.abs(x @ w.T)) > 256  # logits whose bf16 ulp is >= 2: the bias
+    np.testing.assert_array_equal(got, want)  # fractions round away on a second rounding
 
 
 @pytest.mark.parametrize("shape,k", [((1, 128), 8), ((13, 64), 6), ((5, 8, 32), 2),

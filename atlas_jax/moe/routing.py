@@ -44,9 +44,13 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
 # GEMM plus a partial-sum fusion every decode step (Qwen3-30B-A3B at 8 tokens: 3.3 + 1.2 us)
 # and, where H is no multiple of its K block, two pad fusions first (gpt-oss-120b's H = 2880:
 # 1.3 + 1.8 us); the row sum measured 4.4 / 4.7 us with the router kernel at 8 tokens (routing
-# alone, was 6.1 / 10.0). The bound takes Qwen3 up to 24 tokens and gpt-oss up to 17 (measured
-# at 1, 8, 16), DeepSeek-V3 (E 256, H 7168) up to 3 (not measured).
-ROUTER_REDUCE_MAX_PRODUCTS = 6 << 20
+# alone, was 6.1 / 10.0). Inside full NVFP4 decode steps (H200, session 28) the row sum also
+# won past the first bound (6M products): Qwen3 32 / 64 tokens 4.6 / 6.8 us against 5.4 + 1.5
+# / 6.8 + 1.6 (busy step 121.4 -> 119.2 / 135.3 -> 131.7 us), gpt-oss 32 tokens 8.6 us in one
+# launch against 12.7 in five (452.5 -> 447.4), though alone, outside a step, XLA's GEMM is
+# the faster from 16 tokens. The bound takes Qwen3 up to 64 tokens, gpt-oss up to 45,
+# DeepSeek-V3 (E 256, H 7168) up to 9 (not measured past 3).
+ROUTER_REDUCE_MAX_PRODUCTS = 1 << 24
 
 
 def router_logits(params: MoEParams, x: jax.Array) -> jax.Array:
@@ -71,9 +75,10 @@ def router_logits(params: MoEParams, x: jax.Array) -> jax.Array:
         # weights ~1e-4 off transformers' fp32 router on the H200)
         precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
         logits = jnp.einsum("th,eh->te", xs, w, preferred_element_type=jnp.float32,
-                            precision=precision).astype(dtype)
-    if bias is not None:
-        logits = logits + bias
+                            precision=precision)
+        if bias is not None:  # added in f32 and rounded once with the products, as F.linear
+            logits = logits + bias.astype(jnp.float32)
+        logits = logits.astype(dtype)
     return logits.astype(jnp.float32)
 
 
