@@ -119,7 +119,8 @@ NUM_STAGES_LONG = 4  # the same for K of at least LONG_K_STEPS steps of <= 128 (
 LONG_K_STEPS = 20  # gpt-oss's 23 steps of 128 take 4 stages; Qwen3's 16 (gate_up) 3
 NUM_STAGES_WIDE = 2  # the same for FP4 steps of 192 / 256 (20 / 16 / 12 KB a stage at 256 and
 #   windows of 24 / 16 / 8; H200, at 24: NOTES)
-FP4_PARTS = 2  # wgmmas an FP4 K step of 256 is dotted in (1, 2 or 4; compiled only)
+FP4_PARTS = 2  # wgmmas an FP4 K step of 256 is dotted in (1, 2 or 4; compiled only; 4: fewer
+#   registers, one more CTA an SM, yet +2.5-3% on Qwen3 NVFP4 on the H200: NOTES, session 28)
 SCALE_PREFETCH = 3  # K steps a scale load is issued before its step (1: the step before)
 BLOCK_N = 64  # weight rows a program (the wgmma's M)
 # Items at T tokens (``choose_item_rows``): 1 row at 1 token (windows of 8), aligned items of 8
@@ -913,8 +914,8 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile, part: int = 0, part
     bn, bk = BLOCK_N, tile.block_k
     per_part = bk // 8 // parts  # bytes a thread reads of a row for one part
     if parts not in (1, 2, 4) or per_part % 8:
-        raise ValueError(f"{parts} parts of a K step of {bk}: each part must be 8 bytes a "
-                         f"thread's row")
+        raise ValueError(f"{parts} parts of a K step of {bk}: expected 1, 2 or 4 parts of a "
+                         f"multiple of 8 bytes of a thread's row each")
     load_bytes = 16 if per_part % 16 == 0 else 8  # SMEM loads of 16 bytes (8 where they must)
     loads = range(part * per_part // load_bytes, (part + 1) * per_part // load_bytes)
     cols = bk // parts
