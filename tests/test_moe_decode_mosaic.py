@@ -220,6 +220,20 @@ def test_compiled_slot_matmul_epilogue(fmt, k, k_splits, bias_dtype):
     check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, bias_dtype=bias_dtype)
 
 
+@pytest.mark.parametrize("compiled", [
+    False, pytest.param(True, marks=pytest.mark.skipif(
+        not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels"))],
+    ids=["interpret", "compiled"])
+@pytest.mark.parametrize("fmt,item_rows", [(FP8, 16), (MXFP4, 8), (NVFP4, 1), (BF16, 16)],
+                         ids=str)
+def test_slot_matmul_epilogue_loads_after_steps(monkeypatch, compiled, fmt, item_rows):
+    """The epilogue's row factors and bias loaded after the K steps (``EPILOGUE_LOADS_AHEAD``
+    False: fewer registers held through the loop) give the same rows, K split included."""
+    with mosaic_constants(monkeypatch, EPILOGUE_LOADS_AHEAD=False):
+        check_slot_matmul(fmt, 512, compiled=compiled, k_splits=2, item_rows=item_rows,
+                          bias_dtype=jnp.bfloat16)
+
+
 SMALL_WINDOW_CASES = [(1, FP8, 256, 1), (8, FP8, 128, 1), (9, BF16, 256, 2), (1, NVFP4, 512, 1),
                       (8, MXFP4, 512, 2), (3, NVFP4, 384, 1), (8, BF16, 128, 1),
                       (13, FP8, 256, 1)]
@@ -766,6 +780,12 @@ class TestLowersForHopper:
 
         text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
         assert "mosaic_gpu" in text
+
+    @pytest.mark.parametrize("fmt", [FP8, MXFP4], ids=lambda v: v.value)
+    def test_epilogue_loads_after_steps_lower(self, monkeypatch, fmt):
+        """The one launch with the epilogue's loads after the K steps."""
+        with mosaic_constants(monkeypatch, EPILOGUE_LOADS_AHEAD=False):
+            self.lower_one_launch(fmt, 2048, 768, (1, 1), dict(rows=8))
 
     @pytest.mark.parametrize("parts", [1, 4])
     @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda v: v.value)

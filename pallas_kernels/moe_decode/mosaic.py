@@ -121,6 +121,9 @@ NUM_STAGES_WIDE = 2  # the same for FP4 steps of 192 / 256 (20 / 16 / 12 KB a st
 #   windows of 24 / 16 / 8; H200, at 24: NOTES)
 FP4_PARTS = 2  # wgmmas an FP4 K step of 256 is dotted in (1, 2 or 4; compiled only; 4: fewer
 #   registers, one more CTA an SM, yet +2.5-3% on Qwen3 NVFP4 on the H200: NOTES, session 28)
+EPILOGUE_LOADS_AHEAD = True  # the epilogue's row factors and bias loaded before the K steps
+#   (False: after them: ptxas 83 -> 79 registers for Qwen3 MXFP4 at windows of 8, 83 -> 78 FP8 at
+#   16, a CTA more an SM each; not yet timed: NOTES, session 28)
 SCALE_PREFETCH = 3  # K steps a scale load is issued before its step (1: the step before)
 BLOCK_N = 64  # weight rows a program (the wgmma's M)
 # Items at T tokens (``choose_item_rows``): 1 row at 1 token (windows of 8), aligned items of 8
@@ -525,16 +528,23 @@ def _matmul_program(
         """This item's rows through expert ``e`` of one stack, stored."""
         w_tile = w_gmem.at[e, pl.ds(n0, bn)]
         a_tile = a_gmem.at[pl.ds(row0, wn)]
-        # the epilogue's row factors and bias loaded before the steps (their latency hidden)
-        if stage_w:
-            factors = None if factor_ref is None else lax.broadcast_in_dim(
-                factor_ref[pl.ds(row0, wn)], (bn, wn), [1])
-            b = None if bias_ref is None else bias_ref[e, pl.ds(n0, bn)].astype(jnp.float32)
-        else:
+
+        def epilogue_operands():
+            """The window rows' factors ``[bn, wn]`` and the bias ``[bn]`` (or None)."""
+            if stage_w:
+                factors = None if factor_ref is None else lax.broadcast_in_dim(
+                    factor_ref[pl.ds(row0, wn)], (bn, wn), [1])
+                b = None if bias_ref is None else bias_ref[e, pl.ds(n0, bn)].astype(
+                    jnp.float32)
+                return factors, b
             factors = None if factor_ref is None else _window_factors_inline(factor_ref, row0,
                                                                               wn)
             b = None if bias_ref is None else _row_bias_inline(
                 bias_ref, e * bias_ref.shape[1] + n0)
+            return factors, b
+
+        if EPILOGUE_LOADS_AHEAD:  # before the steps: their latency hidden, registers held
+            factors, b = epilogue_operands()
         match fmt:  # acc [bn, wn]
             case "bf16":
                 acc = plain_steps(w_tile, a_tile)
@@ -543,6 +553,8 @@ def _matmul_program(
             case _:
                 acc = fp4_steps(w_tile, a_tile, scales[0],
                                 scales[1] if fmt == "nvfp4" else None, e)
+        if not EPILOGUE_LOADS_AHEAD:
+            factors, b = epilogue_operands()
         if factors is not None:  # the window rows' factors: each column its own
             acc = acc * factors
         if b is not None:  # the bias once: in split 0
