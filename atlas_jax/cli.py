@@ -18,6 +18,7 @@ BENCHMARKS = {
     "autotune-grouped-matmul": "autotune_grouped_matmul.py",
     "grouped-matmul-mosaic": "grouped_matmul_mosaic.py",
     "moe-decode": "moe_decode.py",
+    "moe-decode-arms": "moe_decode_arms.py",
     "moe-decode-mosaic": "moe_decode_mosaic.py",
     "moe-decode-plan": "moe_decode_plan.py",
     "moe-parallel": "moe_parallel.py",

@@ -207,6 +207,39 @@ def test_moe_decode_plan_benchmark_checks_every_builder():
         proc.stdout[-3000:]
 
 
+def test_arms_benchmark_times_each_arm_in_turn():
+    """The A/B script (interpret mode off GPU): a row a (round, arm) in turn, each a step
+    time, the code's constants back afterwards."""
+    proc = subprocess.run([sys.executable, "benchmarks/moe_decode_arms.py", "--tiny", "--arms",
+                           "", "FP4_PARTS=4 routing.ROUTER_REDUCE_MAX_PRODUCTS=0",
+                           "--repeats", "2"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = proc.stdout[proc.stdout.index("## moe_decode arms"):]
+    arms = _column(final, "arm")
+    assert arms == ["code", "FP4_PARTS=4 routing.ROUTER_REDUCE_MAX_PRODUCTS=0"] * 2, final
+    assert all(np.isfinite(float(c)) for c in _column(final, "step_us")), final
+
+
+def test_arms_are_checked():
+    from benchmarks.moe_decode_arms import parse_arm
+    from pallas_kernels.moe_decode import mosaic
+
+    assert parse_arm("") == {}
+    assert parse_arm("FP4_PARTS=4 routing.ROUTER_REDUCE_MAX_PRODUCTS=0 FUSE_MLP_TOKENS=(1,32)") \
+        == {("mosaic", "FP4_PARTS"): 4, ("routing", "ROUTER_REDUCE_MAX_PRODUCTS"): 0,
+            ("mosaic", "FUSE_MLP_TOKENS"): (1, 32)}
+    for bad, match in [("NO_SUCH=1", "has no constant"), ("FP4_PARTS", "expected NAME=VALUE"),
+                       ("FP4_PARTS=four", "not a Python literal"),
+                       ("other.X=1", "expected NAME=VALUE"), ("window=1", "has no constant")]:
+        with pytest.raises(ValueError, match=match):
+            parse_arm(bad)
+    assert mosaic.FP4_PARTS == 2
+    proc = subprocess.run([sys.executable, "benchmarks/moe_decode_arms.py", "--tiny", "--arms",
+                           "NO_SUCH=1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "has no constant NO_SUCH" in proc.stderr, proc.stderr
+
+
 def test_router_benchmark_checks_both_routers():
     """The router benchmark (interpret mode off GPU) routes the same way with both routers (it
     asserts so) and times each."""
