@@ -13,7 +13,12 @@ wheels ``jax-cuda13-pjrt==0.11.2`` and ``jax-cuda13-plugin==0.11.2`` unpacked in
 then ``unzip`` each into one directory); nothing is installed.
 
     python benchmarks/mosaic_registers.py --plugins DIR [--case qwen3-fp8 ...]
-        [--set H_PROGRAM_ROWS=1 ...] [--rows 8]
+        [--set H_PROGRAM_ROWS=1 ...] [--rows 8] [--sass NVDISASM]
+
+``--sass`` (the path of an ``nvdisasm``, e.g. from the ``nvidia-cuda-nvdisasm`` wheel) also
+dumps each kernel's PTX, assembles it with ``ptxas -arch=sm_90a`` and disassembles it, and
+lists its loops (the bodies of backward branches) of 20 instructions or more: their length
+and most frequent opcodes, e.g. the FP4 K-step loop's conversion against its fixed costs.
 
 Cases: ``{qwen3,gptoss}-{fp8,nvfp4,mxfp4}`` (Qwen3-30B-A3B, gpt-oss-120b; 64 pairs); each row
 of the table is the one-launch kernel (``slot_mlp``) and the two ``slot_matmul`` kernels.
@@ -24,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import ctypes
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -64,6 +71,32 @@ CASES = {  # (format, H, I, gate_up kwargs of slot_mlp)
     "gptoss-mxfp4": ("mxfp4", 2880, 2880, dict(activation="gpt_oss", layout="interleaved")),
 }
 KERNELS = ("slot_mlp", "gate_up", "down")
+
+
+def sass_loops(sass: str, min_length: int = 20) -> list[tuple[str, int, list[tuple[str, int]]]]:
+    """The loops of ``nvdisasm -c`` output: for each backward branch ``BRA `(.L_x_N)``` to a
+    label above it, ``(label, instructions from the label to the branch, the 8 most frequent
+    opcodes with their counts)``, in the order of the branches; loops shorter than
+    ``min_length`` are left out (the barrier-wait spins). A branch back from past an inner
+    loop (e.g. a wait's retry path placed after the code) spans that loop too."""
+    ins, labels = [], {}
+    for line in sass.splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[m.group(1)] = len(ins)
+        elif m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;", line):
+            ins.append(m.group(1))
+    loops = []
+    for i, text in enumerate(ins):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", text)
+        if not m or labels.get(m.group(1), i + 1) > i:
+            continue
+        body = ins[labels[m.group(1)]:i + 1]
+        if len(body) < min_length:
+            continue
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0]
+                                  for x in body)
+        loops.append((m.group(1), len(body), ops.most_common(8)))
+    return loops
 
 
 def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str],
@@ -135,6 +168,20 @@ def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str],
     compile_(ctypes.c_char_p(module), ctypes.c_int(len(module)))  # fails at the load: expected
 
 
+def _disassemble(dump: Path, cuda_root: Path, nvdisasm: Path) -> list:
+    """``sass_loops`` of the PTX that Mosaic GPU dumped into ``dump`` (ptxas, then
+    nvdisasm)."""
+    ptx = sorted(dump.glob("*.ptx"))
+    if not ptx:
+        return [("error: no PTX dumped", 0, [])]
+    cubin = dump / "kernel.cubin"
+    subprocess.run([str(cuda_root / "bin" / "ptxas"), "-arch=sm_90a", str(ptx[0]), "-o",
+                    str(cubin)], check=True, capture_output=True)
+    sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], check=True, capture_output=True,
+                          text=True).stdout
+    return sass_loops(sass)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -147,6 +194,8 @@ def main() -> None:
                         help="the work items' rows (SlotTile.rows: windows of 8 rows for 1 and 8, "
                              "16 for 2-7, 9 and 16, 24 for 10-15; choose_item_rows(T) at T "
                              "tokens)")
+    parser.add_argument("--sass", type=Path, metavar="NVDISASM",
+                        help="also list each kernel's SASS loops (needs nvdisasm)")
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # (case, kernel): the child
     args = parser.parse_args()
     if args.one:
@@ -167,18 +216,30 @@ def main() -> None:
         print(f"settings: {' '.join(args.set) or '(the code)'}, items of {args.rows} rows\n")
         print("| case | " + " | ".join(f"{k} registers" for k in KERNELS) + " |")
         print("|---" * (len(KERNELS) + 1) + "|")
+        loops = []
         for case in args.case:
             counts = []
             for kernel in KERNELS:
+                dump = Path(tmp) / f"{case}-{kernel}"
+                dump.mkdir()
+                extra = dict(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=str(dump)) if \
+                    args.sass else {}
                 out = subprocess.run(
                     [sys.executable, __file__, "--plugins", str(args.plugins), "--one", case,
-                     kernel, "--rows", str(args.rows), "--set", *args.set], env=env,
+                     kernel, "--rows", str(args.rows), "--set", *args.set], env=env | extra,
                     capture_output=True, text=True)
                 text = out.stdout + out.stderr
                 used = [ln for ln in text.splitlines() if "Used" in ln and "registers" in ln]
                 counts.append(used[0].split("Used")[1].split("registers")[0].strip() if used
                               else "error: " + text.strip().splitlines()[-1][:80])
+                if args.sass:
+                    loops.append((case, kernel, _disassemble(dump, args.cuda_root, args.sass)))
             print(f"| {case} | " + " | ".join(counts) + " |", flush=True)
+        for case, kernel, found in loops:
+            print(f"\n{case} {kernel}: SASS loops of 20+ instructions")
+            for label, length, ops in found:
+                print(f"  {label}: {length} instructions; "
+                      + ", ".join(f"{op} {n}" for op, n in ops))
 
 
 if __name__ == "__main__":

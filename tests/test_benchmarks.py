@@ -207,6 +207,24 @@ def test_moe_decode_plan_benchmark_checks_every_builder():
         proc.stdout[-3000:]
 
 
+def test_sass_loops_finds_backward_branches():
+    """``mosaic_registers.sass_loops`` on nvdisasm-style text: the body of each backward
+    branch, predicated opcodes counted by name, short spins and forward branches left out."""
+    from benchmarks.mosaic_registers import sass_loops
+
+    body = [f"        /*{16 * i:04x}*/                   {op} ;" for i, op in enumerate(
+        ["HMUL2 R1, R2.H0_H0, R3", "LOP3.LUT R1, R1, 0xf, RZ, 0xc0, !PT", "HMUL2 R4, R5, R6",
+         "@P0 BRA `(.L_x_9)", "@!P2 BRA `(.L_x_1)"])]
+    sass = "\n".join(["        /*0000*/                   MOV R1, R2 ;", ".L_x_1:", *body,
+                      ".L_x_9:", "        /*0100*/                   SYNCS.PHASECHK P2 ;",
+                      "        /*0110*/              @!P2 BRA `(.L_x_9) ;", "        EXIT ;"])
+    assert sass_loops(sass, min_length=3) == [
+        (".L_x_1", 5, [("HMUL2", 2), ("BRA", 2), ("LOP3", 1)])]
+    assert sass_loops(sass, min_length=2) == [
+        (".L_x_1", 5, [("HMUL2", 2), ("BRA", 2), ("LOP3", 1)]),
+        (".L_x_9", 2, [("SYNCS", 1), ("BRA", 1)])]
+
+
 def test_arms_benchmark_times_each_arm_in_turn():
     """The A/B script (interpret mode off GPU): a row a (round, arm) in turn, each a step
     time, the code's constants back afterwards."""
