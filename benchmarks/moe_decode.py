@@ -153,6 +153,16 @@ def shared_bytes(params: MoEParams) -> float:
     return params.shared_gate_up.nbytes + params.shared_down.nbytes
 
 
+def step_bytes(params: MoEParams, xs, per_expert: float, shared: float
+               ) -> tuple[float, float]:
+    """(distinct selected experts, weight bytes a step reads) averaged over the inputs ``xs``:
+    the routed experts' bytes (``expert_bytes`` each) plus the shared expert's."""
+    route = jax.jit(aj.moe.route)
+    distinct = float(np.mean([len(np.unique(np.asarray(route(params, x).expert_ids)))
+                              for x in xs]))
+    return distinct, distinct * per_expert + shared
+
+
 def token_sets(tokens: int, hidden: int, n: int = ROTATE) -> list[jax.Array]:
     return [jax.random.normal(jax.random.key(100 + j), (tokens, hidden), jnp.bfloat16)
             for j in range(n)]
@@ -267,10 +277,7 @@ def bench(shapes, formats, token_counts, *, hbm: float, loops: int,
             per_expert, shared = expert_bytes(p), shared_bytes(p)
             for tokens in token_counts:
                 xs = token_sets(tokens, p.config.hidden_size)
-                route = jax.jit(aj.moe.route)
-                distinct = np.mean([len(np.unique(np.asarray(route(p, x).expert_ids)))
-                                    for x in xs])
-                nbytes = distinct * per_expert + shared
+                distinct, nbytes = step_bytes(p, xs, per_expert, shared)
                 row = dict(shape=shape, format=name, tokens=tokens, experts=distinct,
                            MB=nbytes / 1e6)
                 t, err = _time(PALLAS, p, xs, loops)

@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 import jax
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -67,10 +66,7 @@ def run_arms(shape: str, formats, token_counts, arms: list[str], *, repeats: int
             per_expert, shared = md.expert_bytes(p), md.shared_bytes(p)
             for tokens in token_counts:
                 xs = md.token_sets(tokens, p.config.hidden_size)
-                route = jax.jit(md.aj.moe.route)
-                distinct = np.mean([len(np.unique(np.asarray(route(p, x).expert_ids)))
-                                    for x in xs])
-                nbytes = distinct * per_expert + shared
+                _, nbytes = md.step_bytes(p, xs, per_expert, shared)
                 for r in range(repeats):
                     for text, values in zip(arms, parsed, strict=True):
                         for (module, attr), v in (code | values).items():
