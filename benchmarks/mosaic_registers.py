@@ -168,18 +168,26 @@ def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str],
     compile_(ctypes.c_char_p(module), ctypes.c_int(len(module)))  # fails at the load: expected
 
 
-def _disassemble(dump: Path, cuda_root: Path, nvdisasm: Path) -> list:
-    """``sass_loops`` of the PTX that Mosaic GPU dumped into ``dump`` (ptxas, then
-    nvdisasm)."""
+def _disassemble(dump: Path, cuda_root: Path, nvdisasm: Path) -> tuple[str, list]:
+    """(ptxas's register count, ``sass_loops``) of the PTX that Mosaic GPU dumped into
+    ``dump``: assembled here (the dump stops the child before its own ptxas report), then
+    disassembled."""
     ptx = sorted(dump.glob("*.ptx"))
     if not ptx:
-        return [("error: no PTX dumped", 0, [])]
+        return "error: no PTX dumped", []
     cubin = dump / "kernel.cubin"
-    subprocess.run([str(cuda_root / "bin" / "ptxas"), "-arch=sm_90a", str(ptx[0]), "-o",
-                    str(cubin)], check=True, capture_output=True)
+    report = subprocess.run([str(cuda_root / "bin" / "ptxas"), "-v", "-arch=sm_90a", str(ptx[0]),
+                             "-o", str(cubin)], check=True, capture_output=True, text=True)
     sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], check=True, capture_output=True,
                           text=True).stdout
-    return sass_loops(sass)
+    return _registers(report.stdout + report.stderr), sass_loops(sass)
+
+
+def _registers(text: str) -> str:
+    """ptxas's ``Used N registers`` from its report, or the report's last line as an error."""
+    used = [ln for ln in text.splitlines() if "Used" in ln and "registers" in ln]
+    return (used[0].split("Used")[1].split("registers")[0].strip() if used
+            else "error: " + text.strip().splitlines()[-1][:80])
 
 
 def main() -> None:
@@ -220,20 +228,20 @@ def main() -> None:
         for case in args.case:
             counts = []
             for kernel in KERNELS:
-                dump = Path(tmp) / f"{case}-{kernel}"
-                dump.mkdir()
-                extra = dict(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=str(dump)) if \
-                    args.sass else {}
+                dump, extra = Path(tmp) / f"{case}-{kernel}", {}
+                if args.sass:
+                    dump.mkdir()
+                    extra = dict(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=str(dump))
                 out = subprocess.run(
                     [sys.executable, __file__, "--plugins", str(args.plugins), "--one", case,
                      kernel, "--rows", str(args.rows), "--set", *args.set], env=env | extra,
                     capture_output=True, text=True)
-                text = out.stdout + out.stderr
-                used = [ln for ln in text.splitlines() if "Used" in ln and "registers" in ln]
-                counts.append(used[0].split("Used")[1].split("registers")[0].strip() if used
-                              else "error: " + text.strip().splitlines()[-1][:80])
                 if args.sass:
-                    loops.append((case, kernel, _disassemble(dump, args.cuda_root, args.sass)))
+                    registers, found = _disassemble(dump, args.cuda_root, args.sass)
+                    loops.append((case, kernel, found))
+                else:
+                    registers = _registers(out.stdout + out.stderr)
+                counts.append(registers)
             print(f"| {case} | " + " | ".join(counts) + " |", flush=True)
         for case, kernel, found in loops:
             print(f"\n{case} {kernel}: SASS loops of 20+ instructions")
