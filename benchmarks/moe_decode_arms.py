@@ -9,7 +9,8 @@ between rounds and not as a difference between arms (the device README's METHOD.
     python benchmarks/moe_decode_arms.py --tiny      # CPU smoke test: tiny shape, interpret mode
 
 An arm is a space-separated list of ``NAME=VALUE`` (a Python literal); ``NAME`` is a constant
-of ``pallas_kernels.moe_decode.mosaic``, or ``routing.NAME`` one of ``atlas_jax.moe.routing``.
+of ``pallas_kernels.moe_decode.mosaic``, ``routing.NAME`` one of ``atlas_jax.moe.routing``, or
+``rows.NAME`` one of ``pallas_kernels.moe_decode.rows``.
 The empty arm is the code as it is. Constants an arm does not name keep the code's values.
 """
 
@@ -28,8 +29,9 @@ from atlas_jax.moe import routing  # noqa: E402
 from benchmarks import moe_decode as md  # noqa: E402
 from benchmarks._common import hbm_copy_bandwidth, table  # noqa: E402
 from pallas_kernels.moe_decode import mosaic  # noqa: E402
+from pallas_kernels.moe_decode import rows as row_launches  # noqa: E402
 
-MODULES = {"mosaic": mosaic, "routing": routing}
+MODULES = {"mosaic": mosaic, "routing": routing, "rows": row_launches}
 COLUMNS = ["shape", "format", "tokens", "arm", "round", "busy_us", "step_us", "busy_frac_hbm",
            "frac_hbm"]
 
@@ -43,7 +45,8 @@ def parse_arm(text: str) -> dict[tuple[str, str], object]:
         module, _, attr = name.rpartition(".")
         module = module or "mosaic"
         if not sep or module not in MODULES:
-            raise ValueError(f"arm item {item!r}: expected NAME=VALUE or routing.NAME=VALUE")
+            raise ValueError(f"arm item {item!r}: expected NAME=VALUE, routing.NAME=VALUE "
+                             "or rows.NAME=VALUE")
         if not hasattr(MODULES[module], attr) or not attr.isupper():
             raise ValueError(f"arm item {item!r}: {module} has no constant {attr}")
         try:

@@ -247,6 +247,7 @@ def test_arms_are_checked():
     assert parse_arm("FP4_PARTS=4 routing.ROUTER_REDUCE_MAX_PRODUCTS=0 FUSE_MLP_TOKENS=(1,32)") \
         == {("mosaic", "FP4_PARTS"): 4, ("routing", "ROUTER_REDUCE_MAX_PRODUCTS"): 0,
             ("mosaic", "FUSE_MLP_TOKENS"): (1, 32)}
+    assert parse_arm("rows.PLAN_X_ROWS_MAX_PAIRS=128") == {("rows", "PLAN_X_ROWS_MAX_PAIRS"): 128}
     for bad, match in [("NO_SUCH=1", "has no constant"), ("FP4_PARTS", "expected NAME=VALUE"),
                        ("FP4_PARTS=four", "not a Python literal"),
                        ("other.X=1", "expected NAME=VALUE"), ("window=1", "has no constant")]:
