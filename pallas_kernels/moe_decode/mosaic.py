@@ -123,7 +123,8 @@ FP4_PARTS = 2  # wgmmas an FP4 K step of 256 is dotted in (1, 2 or 4; compiled o
 #   registers, one more CTA an SM, yet +2.5-3% on Qwen3 NVFP4 on the H200: NOTES, session 28)
 EPILOGUE_LOADS_AHEAD = True  # the epilogue's row factors and bias loaded before the K steps
 #   (False: after them: ptxas 83 -> 79 registers for Qwen3 MXFP4 at windows of 8, 83 -> 78 FP8 at
-#   16, a CTA more an SM each; not yet timed: NOTES, session 28)
+#   16, a CTA more an SM each; H200: Qwen3 MXFP4 8 tokens -2.9% busy, gpt-oss MXFP4 1 token
+#   +0.7 us, the other cases even: NOTES, session 29)
 SCALE_PREFETCH = 3  # K steps a scale load is issued before its step (1: the step before)
 BLOCK_N = 64  # weight rows a program (the wgmma's M)
 # Items at T tokens (``choose_item_rows``): 1 row at 1 token (windows of 8), aligned items of 8
