@@ -656,6 +656,25 @@ def test_fused_combine_extra_stack_and_bad_inputs(monkeypatch):
         slot_mlp(work, a, factor, *args, combine=comb, out_dtype=jnp.int32, **opts)
     with pytest.raises(ValueError, match=r"combine: expected ids, row_of_pair, weights"):
         slot_mlp(work, a, factor, *args, combine=(ids, ids[:, :2], w, comb[3]), **opts)
+    wide = jnp.zeros((8, 10), jnp.int32)
+    with pytest.raises(ValueError, match="10 slots x 1 K splits of down, past COMBINE_MAX"):
+        slot_mlp(work, a, factor, *args, combine=(wide, wide, wide.astype(jnp.float32),
+                                                  comb[3]), **opts)
+
+
+def test_fused_combine_past_its_loads_takes_xla(monkeypatch):
+    """Slots x down's K splits past ``COMBINE_MAX_LOADS`` (the combine programs' registers):
+    XLA's combine of the one launch's pairs, the same sums."""
+    kw, x, ids = arrays(FP8, inter=384), x_rows(4), routing("random", 4, 4, seed=1)
+    w = combine_weights(4, 4)
+    calls = []
+    monkeypatch.setattr(mosaic, "_combine_jnp", lambda *a, **k: calls.append(1))
+    with mosaic_constants(monkeypatch, FUSED_COMBINE=True):
+        out = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=True, k_splits=(1, 3), **kw,
+                                      combine_weights=w)
+    assert not calls
+    pairs = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=True, k_splits=(1, 3), **kw)
+    np.testing.assert_array_equal(out, combine_pairs(pairs, w))
 
 
 def test_choose_k_splits():
@@ -911,7 +930,7 @@ class TestLowersForHopper:
         (MXFP4, 2880, 2880, (1, 5), dict(activation="gpt_oss", layout="interleaved", limit=7.0,
                                          rows=1, timeline=True)),  # 1 token, clock stamps
         (FP8, 2048, 768, (1, 1), dict(rows=8, timeline=True)),
-        (NVFP4, 2048, 768, (1, 3), dict(rows=8, combine=jnp.bfloat16)),  # the combine
+        (NVFP4, 2048, 768, (1, 1), dict(rows=8, combine=jnp.bfloat16)),  # the combine
         (MXFP4, 2880, 2880, (1, 1), dict(activation="gpt_oss", layout="interleaved", limit=7.0,
                                          combine=jnp.float32, timeline=True)),
     ], ids=lambda v: getattr(v, "value", v))
@@ -1019,7 +1038,7 @@ def test_compiled_one_launch_timeline_on_gpu(t):
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
 @pytest.mark.parametrize("t", [8, 20])  # windows of 8 and 16 rows
 @pytest.mark.parametrize("fmt,k_splits,out_dtype", [
-    (FP8, (1, 1), jnp.bfloat16), (NVFP4, (1, 2), jnp.float32), (MXFP4, (2, 3), jnp.bfloat16)],
+    (FP8, (1, 1), jnp.bfloat16), (NVFP4, (1, 2), jnp.float32), (MXFP4, (2, 1), jnp.bfloat16)],
     ids=str)
 def test_compiled_fused_combine_on_gpu(monkeypatch, fmt, k_splits, t, out_dtype):
     """The compiled combine programs (each waits for its token's rows: the down programs'
@@ -1036,6 +1055,10 @@ def test_compiled_fused_combine_on_gpu(monkeypatch, fmt, k_splits, t, out_dtype)
     w = combine_weights(t, k)
     pairs = moe_decode_mosaic_pairs(x, ids, **kw, k_splits=k_splits, fused=True)
     with mosaic_constants(monkeypatch, FUSED_COMBINE=True):
+        text = str(jax.make_jaxpr(functools.partial(
+            moe_decode_mosaic_pairs, **kw, k_splits=k_splits, fused=True, combine_weights=w,
+            out_dtype=out_dtype))(x, ids))
+        assert "dot_general" not in text  # the launch's combine, not XLA's
         for _ in range(3):  # the waits hold run after run
             out = moe_decode_mosaic_pairs(x, ids, **kw, k_splits=k_splits, fused=True,
                                           combine_weights=w, out_dtype=out_dtype)

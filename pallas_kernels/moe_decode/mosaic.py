@@ -67,7 +67,7 @@ fused by XLA). Up to 64 pairs the plan and x's rows are one launch
 activations at ``FUSE_MLP_TOKENS`` tokens (``fused``) gate_up, h and down are one launch
 (``slot_mlp``) whose programs wait on GMEM semaphores (the comment above ``slot_mlp``).
 ``combine_weights`` asks for the k-way combine ``[T, H]`` itself: XLA's from the pairs, or,
-with ``FUSED_COMBINE`` on the one launch, its last T programs (``_combine_inline``), each
+with ``FUSED_COMBINE`` on the one launch, its last programs (``_combine_inline``), each
 waiting for its token's rows.
 """
 
@@ -1230,9 +1230,10 @@ def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, row_fact
 # The GPU starts programs in grid order, so a program only waits for programs started before
 # it: an h program for its item's gate_up programs (a GMEM semaphore each signals once
 # its TMA stores have completed), a down program for its item's h programs. With the combine
-# (``slot_mlp(combine=)``), T combine programs last: each down program signals, once its
-# stores have completed, the semaphore of each of its rows' tokens, and token t's combine
-# program waits for its routed slots times the down programs an item has. The semaphores
+# (``slot_mlp(combine=)``), the combine programs last (``combine_programs``): each down
+# program signals, once its stores have completed, the semaphore of each of its rows' tokens,
+# and token t's combine programs wait for its routed slots times the down programs an item
+# has. The semaphores
 # (``pl.get_global``: one array for the whole grid) are zero-filled before the launch; the
 # interpreter runs programs one after another in grid order and has none.
 
@@ -1254,7 +1255,7 @@ H_CHUNK = 2  # h columns a thread of the h program loads at a time (2 or 4: 8- o
 H_KEEP_CHUNKS = 16  # chunks a thread keeps in registers between the max and the stores
 FUSED_WAIT = True  # False: the programs skip their waits (wrong results: timing only)
 FUSED_COMBINE = False  # moe_decode_mosaic_pairs(combine_weights=) on the one launch: the k-way
-#   combine as its last T programs (``_combine_inline``), in place of XLA's combine launch
+#   combine as its last programs (``_combine_inline``), in place of XLA's combine launch
 #   (Qwen3-30B-A3B NVFP4 8 tokens: 2.3 us busy, session 28). Off until timed on the H200.
 
 
@@ -1443,82 +1444,87 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, spli
     program(*refs, jnp.asarray(first, jnp.int32), jnp.asarray(count, jnp.int32))
 
 
-def _combine_jnp(y_ref, ids_ref, rop_ref, w_ref, out_ref, t, *, slots: int, e_all: int,
+# The combine programs' 4-column chunks of a row: 128 a program (a thread's one). Their
+# loads, slots x K splits of them, are all in flight at once; the launch's registers are the
+# most any of its programs needs, so the one launch takes its combine only up to
+# COMBINE_MAX_LOADS (ptxas, offline: Qwen3 NVFP4 / FP8 at 8 tokens 72 registers with or
+# without it; with each thread's chunks of the whole row in flight, 142 / 150).
+COMBINE_CHUNKS = 128
+COMBINE_MAX_LOADS = 9
+
+
+def combine_programs(tokens: int, hidden: int) -> int:
+    """The one launch's combine programs: ``COMBINE_CHUNKS`` 4-column chunks of a row each."""
+    return tokens * -(-hidden // (4 * COMBINE_CHUNKS))
+
+
+def _combine_jnp(y_ref, ids_ref, rop_ref, w_ref, out_ref, t, g, *, slots: int, e_all: int,
                  splits: int, rows: int):
-    """Interpret mode's ``_combine_inline``: token ``t``'s row by jnp."""
-    acc = jnp.zeros((1, y_ref.shape[1]), jnp.float32)
+    """Interpret mode's ``_combine_inline``: token ``t``'s columns of group ``g`` by jnp."""
+    n = min(4 * COMBINE_CHUNKS, y_ref.shape[1])
+    at = jnp.minimum(g * 4 * COMBINE_CHUNKS, y_ref.shape[1] - n)  # n columns from here in H
+    acc = jnp.zeros((1, n), jnp.float32)
     for j in range(slots):
         e, r, wj = ids_ref[t * slots + j], rop_ref[t * slots + j], w_ref[t * slots + j]
         ok = (e >= 0) & (e < e_all)
         r = jnp.where(ok, r, 0)
-        p = y_ref[pl.ds(r, 1), :]
+        p = y_ref[pl.ds(r, 1), pl.ds(at, n)]
         for s in range(1, splits):
-            p = p + y_ref[pl.ds(s * rows + r, 1), :]
+            p = p + y_ref[pl.ds(s * rows + r, 1), pl.ds(at, n)]
         acc = jnp.where(ok, acc + wj * p, acc)
-    out_ref[pl.ds(t, 1), :] = acc.astype(out_ref.dtype)
+    out_ref[pl.ds(t, 1), pl.ds(at, n)] = acc.astype(out_ref.dtype)
 
 
-def _combine_inline(y_ref, ids_ref, rop_ref, w_ref, out_ref, t, *, slots: int, e_all: int,
+def _combine_inline(y_ref, ids_ref, rop_ref, w_ref, out_ref, t, g, *, slots: int, e_all: int,
                     splits: int, rows: int):
-    """A combine program (one warpgroup): token ``t``'s row ``out[t] = sum_j w[t, j] * sum_s
-    y[s * rows + row_of_pair[t, j]]`` over its routed slots ``j`` (expert id in ``[0,
-    e_all)``), in f32, slot by slot, rounded once to ``out_ref``'s dtype. ``ids_ref``,
-    ``rop_ref``, ``w_ref``: ``[T * slots]`` (expert id, sorted row, weight); ``y_ref [splits *
-    rows, H]`` f32 the down programs' rows. Thread ``i`` takes the 4-column chunks ``i, i + 128,
-    ...`` of the row, loaded straight from global memory (L2), all loads before the stores."""
+    """A combine program (one warpgroup): columns ``[512 g, 512 (g + 1))`` of token ``t``'s
+    row ``out[t] = sum_j w[t, j] * sum_s y[s * rows + row_of_pair[t, j]]`` over its routed
+    slots ``j`` (expert id in ``[0, e_all)``), in f32, slot by slot, rounded once to
+    ``out_ref``'s dtype. ``ids_ref``, ``rop_ref``, ``w_ref``: ``[T * slots]`` (expert id,
+    sorted row, weight); ``y_ref [splits * rows, H]`` f32 the down programs' rows. Thread ``i``
+    takes 4-column chunk ``COMBINE_CHUNKS g + i`` (past the row: none), loaded straight from
+    global memory (L2)."""
     hidden = y_ref.shape[1]
     chunks = hidden // 4
-    per_thread = -(-chunks // 128)
     out_bytes = jnp.dtype(out_ref.dtype).itemsize
     refs = (y_ref, ids_ref, rop_ref, w_ref, out_ref)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs) + (plgpu.Layout.WG_SPLAT,))
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs) + (plgpu.Layout.WG_SPLAT,) * 2)
     def program(_, *args):
-        *mems, t_ = args
+        *mems, t_, g_ = args
         i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
         f32x4 = ir.VectorType.get((4,), f32)
         tid = arith.remui(mgpu.utils.thread_idx(), _i32(128))
         y_ptr, ids_ptr, rop_ptr, w_ptr, out_ptr = (mgpu.utils.memref_ptr(v) for v in mems)
         token = t_.registers.item()
-        pairs = []  # (routed, sorted row, weight) of each slot
+        c = arith.addi(arith.muli(g_.registers.item(), _i32(COMBINE_CHUNKS)), tid)
+        in_row = arith.cmpi(arith.CmpIPredicate.ult, c, _i32(chunks))
+        col = arith.muli(arith.select(in_row, c, _i32(0)), _i32(16))
+        acc = arith.constant(f32x4, ir.DenseElementsAttr.get_splat(
+            f32x4, ir.FloatAttr.get(f32, 0.0)))
         for j in range(slots):
-            at = arith.muli(arith.addi(arith.muli(token, _i32(slots)), _i32(j)), _i32(4))
-            e = _load(ids_ptr, at, i32)
+            pair = arith.muli(arith.addi(arith.muli(token, _i32(slots)), _i32(j)), _i32(4))
+            e = _load(ids_ptr, pair, i32)
             ok = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, e, _i32(0)),
                             arith.cmpi(arith.CmpIPredicate.slt, e, _i32(e_all)))
-            row = arith.select(ok, _load(rop_ptr, at, i32), _i32(0))
-            pairs.append((ok, row, vector.broadcast(f32x4, _load(w_ptr, at, f32))))
-        sums = []
-        for i in range(per_thread):
-            c, ok_c = arith.addi(tid, _i32(128 * i)), None
-            if (i + 1) * 128 > chunks:  # some thread's chunk past the row
-                ok_c = arith.cmpi(arith.CmpIPredicate.ult, c, _i32(chunks))
-                c = arith.select(ok_c, c, _i32(0))
-            col = arith.muli(c, _i32(16))
-            acc = arith.constant(f32x4, ir.DenseElementsAttr.get_splat(
-                f32x4, ir.FloatAttr.get(f32, 0.0)))
-            for ok, row, w in pairs:
-                p = None
-                for s in range(splits):
-                    at = arith.addi(arith.muli(arith.addi(row, _i32(s * rows)),
-                                               _i32(4 * hidden)), col)
-                    v = _load(y_ptr, at, f32x4)
-                    p = v if p is None else arith.addf(p, v)
-                acc = arith.select(ok, arith.addf(acc, arith.mulf(w, p)), acc)
-            sums.append((c, ok_c, acc))
-        for c, ok_c, acc in sums:
-            if out_bytes == 2:
-                acc = arith.truncf(ir.VectorType.get((4,), _BIAS_TYPES[jnp.dtype(
-                    out_ref.dtype)].get()), acc)
-            at = arith.muli(arith.addi(arith.muli(token, _i32(hidden)), arith.muli(c, _i32(4))),
-                            _i32(out_bytes))
-            if ok_c is None:
-                llvm.store(acc, _gep(out_ptr, at))
-            else:
-                with mgpu.utils.when(ok_c):
-                    llvm.store(acc, _gep(out_ptr, at))
+            row = arith.select(ok, _load(rop_ptr, pair, i32), _i32(0))
+            p = None
+            for s in range(splits):
+                at = arith.addi(arith.muli(arith.addi(row, _i32(s * rows)), _i32(4 * hidden)),
+                                col)
+                v = _load(y_ptr, at, f32x4)
+                p = v if p is None else arith.addf(p, v)
+            w = vector.broadcast(f32x4, _load(w_ptr, pair, f32))
+            acc = arith.select(ok, arith.addf(acc, arith.mulf(w, p)), acc)
+        if out_bytes == 2:
+            acc = arith.truncf(ir.VectorType.get((4,), _BIAS_TYPES[jnp.dtype(
+                out_ref.dtype)].get()), acc)
+        at = arith.muli(arith.addi(arith.muli(token, _i32(hidden)), arith.muli(c, _i32(4))),
+                        _i32(out_bytes))
+        with mgpu.utils.when(in_row):
+            llvm.store(acc, _gep(out_ptr, at))
 
-    program(*refs, jnp.asarray(t, jnp.int32))
+    program(*refs, jnp.asarray(t, jnp.int32), jnp.asarray(g, jnp.int32))
 
 
 def _proxy_fence():
@@ -1686,14 +1692,16 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
                         plgpu.semaphore_signal(sems.at[2, tok_g[first + i]], 1,
                                                memory_scope="gpu")
 
-    if combine is not None:  # then a program a token (down_per_item signals a routed slot)
-        t = d0 - down_per_item * w
+    if combine is not None:  # then a token's combine programs (down_per_item signals a slot)
+        groups = combine_programs(1, out_o.shape[1])
+        c = d0 - down_per_item * w
+        t, g = lax.div(c, groups), lax.rem(c, groups)
         slots = combine["slots"]
 
-        @pl.when((pid >= n_gu) & ~is_h & (t >= 0))
+        @pl.when((pid >= n_gu) & ~is_h & (c >= 0))
         def _():
             if not sync:
-                _combine_jnp(y_o, ids_g, rop_g, wts_g, out_o, t, **combine)
+                _combine_jnp(y_o, ids_g, rop_g, wts_g, out_o, t, g, **combine)
                 return
             routed = sum(((ids_g[t * slots + j] >= 0) & (ids_g[t * slots + j] < combine[
                 "e_all"])).astype(jnp.int32) for j in range(slots))
@@ -1703,12 +1711,13 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
             _proxy_fence()
             if timeline:
                 _stamp(tl_o, pid, 1)
-            _combine_inline(y_o, ids_g, rop_g, wts_g, out_o, t, **combine)
+            _combine_inline(y_o, ids_g, rop_g, wts_g, out_o, t, g, **combine)
 
     if timeline:  # phase 3: a combine program (its item: its token)
         phase = jnp.where(pid < n_gu, 0, jnp.where(is_h, 1, jnp.where(is_down, 2, 3)))
         item = jnp.where(pid < n_gu, lax.div(pid, gu_per_item),
-                         jnp.where(is_h | is_down, u, d0 - down_per_item * w))
+                         jnp.where(is_h | is_down, u, lax.div(d0 - down_per_item * w,
+                                                              combine_programs(1, y_o.shape[1]))))
         _stamp(tl_o, pid, 2, phase, item)
 
 
@@ -1751,12 +1760,13 @@ def slot_mlp(
     stacked output (rows no item owns: not written). With ``combine`` (the plan's rows of the
     pairs and tokens of the rows), ``[T, H]`` ``out_dtype`` instead: ``sum_j weights[t, j] *
     y[t, j]`` over the pairs with an expert id in ``[0, E + E2)`` (the rest add nothing), in
-    f32 slot by slot, rounded once; its last T programs, each waiting for its token's rows
-    (``_combine_inline``). f16 activations only (FP8, NVFP4, MXFP4). ``timeline=True``
-    (compiled only; a profiling aid) also returns ``[programs, 6]`` int32, each program's
-    ``TIMELINE_COLUMNS``: the low 32 bits of ``%globaltimer`` (ns) at its start, after its wait
-    (its start if it has none) and at its end, its SM, its phase (0 gate_up, 1 h, 2 down, 3
-    combine) and its work item (combine: its token)."""
+    f32 slot by slot, rounded once; its last programs (``combine_programs``: a token's 512
+    columns each), each waiting for its token's rows (``_combine_inline``); at most
+    ``COMBINE_MAX_LOADS`` slots x down's K splits. f16 activations only (FP8, NVFP4,
+    MXFP4). ``timeline=True`` (compiled only; a profiling aid) also returns ``[programs, 6]``
+    int32, each program's ``TIMELINE_COLUMNS``: the low 32 bits of ``%globaltimer`` (ns) at
+    its start, after its wait (its start if it has none) and at its end, its SM, its phase (0
+    gate_up, 1 h, 2 down, 3 combine) and its work item (combine: its token)."""
     if a.ndim != 2 or work.ndim != 2 or work.shape[0] != 3:
         raise ValueError(f"a, work: expected [R, H] and [3, W], got {a.shape}, {work.shape}")
     activation, layout = Activation.coerce(activation), GateUpLayout.coerce(layout)
@@ -1797,6 +1807,9 @@ def slot_mlp(
             raise ValueError(f"out_dtype: f32, bf16 or f16, got {out_dtype}")
         if hidden % 4:
             raise ValueError(f"combine: H = {hidden} must be a multiple of 4")
+        if slots * k_splits[1] > COMBINE_MAX_LOADS:
+            raise ValueError(f"combine: {slots} slots x {k_splits[1]} K splits of down, past "
+                             f"COMBINE_MAX_LOADS = {COMBINE_MAX_LOADS} loads a thread")
         e_all = gate_up.shape[0] + (0 if extra_gate_up is None else extra_gate_up[0].shape[0])
         comb = dict(slots=slots, e_all=e_all, splits=k_splits[1], rows=rows)
         comb_arrays = [ids.reshape(-1).astype(jnp.int32), rop.reshape(-1).astype(jnp.int32),
@@ -1813,7 +1826,7 @@ def slot_mlp(
     h_cols = num_k_steps(inter, tiles[1]) * tiles[1].block_k if interpret else inter
     splits_gu, splits_down = k_splits
     programs = work.shape[1] * sum(_fused_programs(two_i, hidden, k_splits, tiles[0].rows))
-    programs += 0 if combine is None else combine[0].shape[0]  # a combine program a token
+    programs += 0 if combine is None else combine_programs(combine[0].shape[0], hidden)
     scratch = [_w_stage(t, jnp.float16) for t in tiles] if interpret else []
     kernel = plgpu.kernel(
         functools.partial(
@@ -2029,7 +2042,8 @@ def moe_decode_mosaic_pairs(
         a, factor = x16 or x_rows(x, plan.token_of_row, rows, block_k=order(tile[0]),
                                   interpret=interpret)
         if fused:  # gate_up, h and down in one launch
-            in_launch = combine_weights is not None and FUSED_COMBINE
+            in_launch = (combine_weights is not None and FUSED_COMBINE
+                         and expert_ids.shape[1] * k_splits[1] <= COMBINE_MAX_LOADS)
             y = slot_mlp(work, a, factor, gate_up, down, gate_up_scale, down_scale,
                          gate_up_global_scale, down_global_scale, extra_gate_up=xs,
                          extra_down=xd, gate_up_bias=gate_up_bias, down_bias=down_bias,
