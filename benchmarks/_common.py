@@ -4,7 +4,10 @@ the same run as the benchmark that reports against them."""
 from __future__ import annotations
 
 import collections
+import contextlib
+import shutil
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -133,6 +136,45 @@ def time_torch(fn: Callable) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
+
+
+def parse_clock_samples(text: str) -> dict:
+    """``nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits`` lines ->
+    ``{sm_mhz_min, sm_mhz_median, power_w_max}`` (empty where no line parses)."""
+    clocks, power = [], []
+    for line in text.splitlines():
+        parts = [v.strip() for v in line.split(",")]
+        try:
+            clocks.append(float(parts[0]))
+            power.append(float(parts[1]))
+        except (ValueError, IndexError):
+            continue
+    if not clocks:
+        return {}
+    return dict(sm_mhz_min=min(clocks), sm_mhz_median=statistics.median(clocks),
+                power_w_max=max(power))
+
+
+@contextlib.contextmanager
+def clock_samples(period_ms: int = 50):
+    """Samples the GPU's SM clock and power by ``nvidia-smi`` every ``period_ms`` while the
+    block runs; yields a dict filled on exit (``parse_clock_samples``; empty without
+    ``nvidia-smi``). A long FP4 step's time moves with the clock: the H200 capped it at
+    1890-1965 MHz under its software power cap in some calls (NOTES, session 29)."""
+    out: dict = {}
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        yield out
+        return
+    proc = subprocess.Popen([smi, "--query-gpu=clocks.sm,power.draw",
+                             "--format=csv,noheader,nounits", f"-lms={period_ms}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        yield out
+    finally:
+        proc.terminate()
+        text, _ = proc.communicate(timeout=10)
+        out.update(parse_clock_samples(text))
 
 
 def hbm_copy_bandwidth(gib: float = 4.0) -> float:

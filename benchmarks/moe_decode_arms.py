@@ -1,6 +1,7 @@
 """Same-run A/B of the MoE decode kernels' tuning constants: each arm sets module constants,
 clears JAX's caches and times the full jitted ``moe_forward`` decode step (the GPU's busy time
-by CUPTI and the marginal step in a scan, as ``moe_decode.py``); the arms run in turn for
+by CUPTI and the marginal step in a scan, as ``moe_decode.py``, with the lowest SM clock and
+the highest power ``nvidia-smi`` read while the step's calls ran); the arms run in turn for
 ``--repeats`` rounds inside one process, on layers made once, so that drift shows as spread
 between rounds and not as a difference between arms (the device README's METHOD.md).
 
@@ -27,13 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from atlas_jax.moe import routing  # noqa: E402
 from benchmarks import moe_decode as md  # noqa: E402
-from benchmarks._common import hbm_copy_bandwidth, table  # noqa: E402
+from benchmarks._common import clock_samples, hbm_copy_bandwidth, table  # noqa: E402
 from pallas_kernels.moe_decode import mosaic  # noqa: E402
 from pallas_kernels.moe_decode import rows as row_launches  # noqa: E402
 
 MODULES = {"mosaic": mosaic, "routing": routing, "rows": row_launches}
 COLUMNS = ["shape", "format", "tokens", "arm", "round", "busy_us", "step_us", "busy_frac_hbm",
-           "frac_hbm"]
+           "frac_hbm", "sm_mhz_min", "power_w_max"]
 
 
 def parse_arm(text: str) -> dict[tuple[str, str], object]:
@@ -81,7 +82,10 @@ def run_arms(shape: str, formats, token_counts, arms: list[str], *, repeats: int
                         if busy:
                             row.update(busy_us=busy[0] * 1e6,
                                        busy_frac_hbm=nbytes / busy[0] / hbm)
-                        t, err = md._time(md.PALLAS, p, xs, loops)
+                        with clock_samples() as clock:  # the step's calls: the SM clock
+                            t, err = md._time(md.PALLAS, p, xs, loops)
+                        row.update({k: clock[k] for k in ("sm_mhz_min", "power_w_max")
+                                    if k in clock})
                         row["step_us"] = t * 1e6 if t is not None else err
                         if t is not None and t > 0:
                             row["frac_hbm"] = nbytes / t / hbm

@@ -239,6 +239,23 @@ def test_arms_benchmark_times_each_arm_in_turn():
     assert all(np.isfinite(float(c)) for c in _column(final, "step_us")), final
 
 
+def test_clock_samples(monkeypatch):
+    """``nvidia-smi``'s clock and power lines -> their lowest clock, median clock, highest
+    power; lines that do not parse are skipped; without ``nvidia-smi`` the block runs and the
+    result stays empty."""
+    from benchmarks import _common
+
+    text = "1980, 127.5\n1890, 499.3\n[N/A], [N/A]\n1965, 450.0\n"
+    assert _common.parse_clock_samples(text) == dict(sm_mhz_min=1890.0, sm_mhz_median=1965.0,
+                                                     power_w_max=499.3)
+    assert _common.parse_clock_samples("") == {}
+    monkeypatch.setattr(_common.shutil, "which", lambda name: None)
+    ran = []
+    with _common.clock_samples() as clock:
+        ran.append(1)
+    assert ran and clock == {}
+
+
 def test_arms_are_checked():
     from benchmarks.moe_decode_arms import parse_arm
     from pallas_kernels.moe_decode import mosaic
