@@ -1692,10 +1692,11 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
                         plgpu.semaphore_signal(sems.at[2, tok_g[first + i]], 1,
                                                memory_scope="gpu")
 
-    if combine is not None:  # then a token's combine programs (down_per_item signals a slot)
-        groups = combine_programs(1, out_o.shape[1])
-        c = d0 - down_per_item * w
-        t, g = lax.div(c, groups), lax.rem(c, groups)
+    # then a token's combine programs (down_per_item signals a slot): program c of them
+    groups = combine_programs(1, y_o.shape[1])
+    c = d0 - down_per_item * w
+    t, g = lax.div(c, groups), lax.rem(c, groups)
+    if combine is not None:
         slots = combine["slots"]
 
         @pl.when((pid >= n_gu) & ~is_h & (c >= 0))
@@ -1716,8 +1717,7 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
     if timeline:  # phase 3: a combine program (its item: its token)
         phase = jnp.where(pid < n_gu, 0, jnp.where(is_h, 1, jnp.where(is_down, 2, 3)))
         item = jnp.where(pid < n_gu, lax.div(pid, gu_per_item),
-                         jnp.where(is_h | is_down, u, lax.div(d0 - down_per_item * w,
-                                                              combine_programs(1, y_o.shape[1]))))
+                         jnp.where(is_h | is_down, u, t))
         _stamp(tl_o, pid, 2, phase, item)
 
 
