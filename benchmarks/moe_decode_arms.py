@@ -57,6 +57,13 @@ def parse_arm(text: str) -> dict[tuple[str, str], object]:
     return out
 
 
+def set_constants(text: str) -> None:
+    """Set the constants of one arm (``parse_arm``) for the rest of the process: the ``--set``
+    of the one-off tools (``moe_decode_hlo.py``, ``moe_decode_mosaic.py``)."""
+    for (module, attr), v in parse_arm(text).items():
+        setattr(MODULES[module], attr, v)
+
+
 def run_arms(shape: str, formats, token_counts, arms: list[str], *, repeats: int, loops: int,
              hbm: float) -> list[dict]:
     """One row a (format, tokens, round, arm), the arms in turn inside each round."""

@@ -12,10 +12,13 @@ run. A correctness step first compares both paths with the plain-jnp reference o
                                            [--stages 2 3 4 6] [--k-splits 1,1 auto 2,2]
                                            [--profile] [--out FILE]
     python benchmarks/moe_decode_mosaic.py --timeline [--shapes ...] [--formats ...] [--tokens ..]
+                                           [--set "FUSED_COMBINE=True"]
 
 ``--timeline`` times nothing: it runs the one launch (``slot_mlp``, f16 activations) with its
-programs' clock stamps and prints, per phase (gate_up, h, down programs) and per work item,
-when programs started, ended their waits and ended (us from the launch's first start).
+programs' clock stamps and prints, per phase (gate_up, h, down programs; with
+``FUSED_COMBINE`` also the combine programs) and per work item, when programs started, ended
+their waits and ended (us from the launch's first start). ``--set`` takes one arm of
+``moe_decode_arms.py``: module constants set for the whole run.
 """
 
 from __future__ import annotations
@@ -43,7 +46,12 @@ from benchmarks._common import (  # noqa: E402
     time_scan,
 )
 from benchmarks.moe_decode import SHAPES, make_layer, rel_err  # noqa: E402
-from pallas_kernels.moe_decode import moe_decode, moe_decode_pairs_reference  # noqa: E402
+from benchmarks.moe_decode_arms import set_constants  # noqa: E402
+from pallas_kernels.moe_decode import (  # noqa: E402
+    moe_decode,
+    moe_decode_pairs_reference,
+    mosaic,
+)
 from pallas_kernels.moe_decode.mosaic import (  # noqa: E402
     choose_item_rows,
     choose_slot_tile,
@@ -165,14 +173,16 @@ def timeline_summary(stamps: np.ndarray) -> str:
     start, waited, end = ((rel - rel[:, 0].min()) / 1e3).T
     phase, item = t[:, 4], t[:, 5]
     rows = []
-    for p, name in enumerate(("gate_up", "h", "down")):
+    for p, name in enumerate(("gate_up", "h", "down", "combine")):
         at = phase == p
+        if p == 3 and not at.any():
+            continue  # no combine programs (the combine by XLA)
         s_, w_, e_ = start[at], waited[at], end[at]
         rows.append(dict(phase=name, programs=int(at.sum()), first_start=s_.min(),
                          last_start=s_.max(), median_wait=np.median(w_ - s_),
                          median_run=np.median(e_ - w_), first_end=e_.min(), last_end=e_.max()))
     item_rows = []
-    for u in np.unique(item):
+    for u in np.unique(item[phase < 3]):  # a combine program's item is its token
         gu, h, dn = ((item == u) & (phase == p) for p in range(3))
         item_rows.append(dict(item=int(u), gate_up_last_end=end[gu].max(),
                               h_waited=waited[h].max(), h_end=end[h].max(),
@@ -190,15 +200,16 @@ def timelines(shapes, formats, token_counts, calls: int = 4) -> str:
             if fmt == "bf16":
                 continue  # the one launch takes f16 activations
             arrays, static, _, cfg = _layer_args(shape, fmt)
-            step = jax.jit(lambda arrays, x, ids, static=static: moe_decode_mosaic_pairs(
-                x, ids, **arrays, **static, fused=True, timeline=True))
+            step = jax.jit(lambda arrays, x, ids, w, static=static: moe_decode_mosaic_pairs(
+                x, ids, **arrays, **static, fused=True, timeline=True,
+                combine_weights=w if mosaic.FUSED_COMBINE else None))
             for tokens in token_counts:
                 xs = _inputs(cfg, tokens)
                 for j in range(calls):
-                    x, ids, _ = xs[j % len(xs)]
-                    _, stamps = step(arrays, x, ids)
+                    _, stamps = step(arrays, *xs[j % len(xs)])
                 rows = choose_item_rows(tokens, fmt)
-                text = (f"{shape} {fmt} {tokens} tokens, items of {rows} rows\n\n"
+                combine = ", the combine in the launch" if mosaic.FUSED_COMBINE else ""
+                text = (f"{shape} {fmt} {tokens} tokens, items of {rows} rows{combine}\n\n"
                         + timeline_summary(np.asarray(stamps)))
                 print(text + "\n", flush=True)
                 out.append(text)
@@ -231,8 +242,15 @@ def main() -> None:
                         help="print each variant's kernels with their GPU time")
     parser.add_argument("--timeline", action="store_true",
                         help="the one launch's per-program clock stamps, summarized; no timing")
+    parser.add_argument("--set", default="", metavar="ARM",
+                        help="constants to set first, as one arm of moe_decode_arms.py "
+                             "(with FUSED_COMBINE=True, --timeline shows the combine programs)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    try:
+        set_constants(args.set)
+    except ValueError as err:
+        parser.error(str(err))
     print(f"{datetime.date.today()} {jax.devices()[0].device_kind}", flush=True)
     if args.timeline:
         text = timelines(args.shapes, args.formats, args.tokens)
