@@ -1527,6 +1527,30 @@ def _combine_inline(y_ref, ids_ref, rop_ref, w_ref, out_ref, t, g, *, slots: int
     program(*refs, jnp.asarray(t, jnp.int32), jnp.asarray(g, jnp.int32))
 
 
+def _signal_tokens(sems_ref, token_ref, first, count, *, rows: int):
+    """One thread adds 1 to ``sems_ref[token_ref[first + i]]`` for ``i < count`` (at most
+    ``rows``) after one ``fence.acq_rel.gpu``: the PTX release pattern (fence, then relaxed
+    writes), where ``plgpu.semaphore_signal`` row by row would be a release each (``red.release``
+    waits for this program's writes every time)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2 + (plgpu.Layout.WG_SPLAT,) * 2)
+    def signal(_, sems, tokens, first_, count_):
+        i32 = ir.IntegerType.get_signless(32)
+        sem_ptr, tok_ptr = mgpu.utils.memref_ptr(sems), mgpu.utils.memref_ptr(tokens)
+        first_, count_ = first_.registers.item(), count_.registers.item()
+        tid = arith.remui(mgpu.utils.thread_idx(), _i32(128))
+        with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.eq, tid, _i32(0))):
+            mgpu.utils.inline_ptx("fence.acq_rel.gpu;", has_side_effects=True)
+            for i in range(rows):
+                with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.slt, _i32(i), count_)):
+                    t = _load(tok_ptr, arith.muli(arith.addi(first_, _i32(i)), _i32(4)), i32)
+                    mgpu.utils.inline_ptx("red.relaxed.gpu.global.add.u32 [$0], 1;",
+                                          _gep(sem_ptr, arith.muli(t, _i32(4))),
+                                          has_side_effects=True)
+
+    signal(sems_ref, token_ref, jnp.asarray(first, jnp.int32), jnp.asarray(count, jnp.int32))
+
+
 def _proxy_fence():
     """``fence.proxy.async.global`` then a warpgroup barrier: the generic and the async (TMA)
     proxy agree on global memory, for every thread, before a release or after an acquire."""
@@ -1686,11 +1710,7 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
             @pl.when(count > 0)
             def _():
                 _proxy_fence()  # the TMA stores completed (wait_smem_to_gmem(0)): visible
-                for i in range(down["tile"].rows):
-                    @pl.when(i < count)
-                    def _(i=i):
-                        plgpu.semaphore_signal(sems.at[2, tok_g[first + i]], 1,
-                                               memory_scope="gpu")
+                _signal_tokens(sems.at[2], tok_g, first, count, rows=down["tile"].rows)
 
     # then a token's combine programs (down_per_item signals a slot): program c of them
     groups = combine_programs(1, y_o.shape[1])
