@@ -12,13 +12,12 @@ run. A correctness step first compares both paths with the plain-jnp reference o
                                            [--stages 2 3 4 6] [--k-splits 1,1 auto 2,2]
                                            [--profile] [--out FILE]
     python benchmarks/moe_decode_mosaic.py --timeline [--shapes ...] [--formats ...] [--tokens ..]
-                                           [--set "FUSED_COMBINE=True"]
+                                           [--set "NAME=VALUE ..."]
 
 ``--timeline`` times nothing: it runs the one launch (``slot_mlp``, f16 activations) with its
-programs' clock stamps and prints, per phase (gate_up, h, down programs; with
-``FUSED_COMBINE`` also the combine programs) and per work item, when programs started, ended
-their waits and ended (us from the launch's first start). ``--set`` takes one arm of
-``moe_decode_arms.py``: module constants set for the whole run.
+programs' clock stamps and prints, per phase (gate_up, h, down programs) and per work item,
+when programs started, ended their waits and ended (us from the launch's first start).
+``--set`` takes one arm of ``moe_decode_arms.py``: module constants set for the whole run.
 """
 
 from __future__ import annotations
@@ -47,11 +46,7 @@ from benchmarks._common import (  # noqa: E402
 )
 from benchmarks.moe_decode import SHAPES, make_layer, rel_err  # noqa: E402
 from benchmarks.moe_decode_arms import set_constants  # noqa: E402
-from pallas_kernels.moe_decode import (  # noqa: E402
-    moe_decode,
-    moe_decode_pairs_reference,
-    mosaic,
-)
+from pallas_kernels.moe_decode import moe_decode, moe_decode_pairs_reference  # noqa: E402
 from pallas_kernels.moe_decode.mosaic import (  # noqa: E402
     choose_item_rows,
     choose_slot_tile,
@@ -173,16 +168,14 @@ def timeline_summary(stamps: np.ndarray) -> str:
     start, waited, end = ((rel - rel[:, 0].min()) / 1e3).T
     phase, item = t[:, 4], t[:, 5]
     rows = []
-    for p, name in enumerate(("gate_up", "h", "down", "combine")):
+    for p, name in enumerate(("gate_up", "h", "down")):
         at = phase == p
-        if p == 3 and not at.any():
-            continue  # no combine programs (the combine by XLA)
         s_, w_, e_ = start[at], waited[at], end[at]
         rows.append(dict(phase=name, programs=int(at.sum()), first_start=s_.min(),
                          last_start=s_.max(), median_wait=np.median(w_ - s_),
                          median_run=np.median(e_ - w_), first_end=e_.min(), last_end=e_.max()))
     item_rows = []
-    for u in np.unique(item[phase < 3]):  # a combine program's item is its token
+    for u in np.unique(item):
         gu, h, dn = ((item == u) & (phase == p) for p in range(3))
         item_rows.append(dict(item=int(u), gate_up_last_end=end[gu].max(),
                               h_waited=waited[h].max(), h_end=end[h].max(),
@@ -200,16 +193,15 @@ def timelines(shapes, formats, token_counts, calls: int = 4) -> str:
             if fmt == "bf16":
                 continue  # the one launch takes f16 activations
             arrays, static, _, cfg = _layer_args(shape, fmt)
-            step = jax.jit(lambda arrays, x, ids, w, static=static: moe_decode_mosaic_pairs(
-                x, ids, **arrays, **static, fused=True, timeline=True,
-                combine_weights=w if mosaic.FUSED_COMBINE else None))
+            step = jax.jit(lambda arrays, x, ids, static=static: moe_decode_mosaic_pairs(
+                x, ids, **arrays, **static, fused=True, timeline=True))
             for tokens in token_counts:
                 xs = _inputs(cfg, tokens)
                 for j in range(calls):
-                    _, stamps = step(arrays, *xs[j % len(xs)])
+                    x, ids, _ = xs[j % len(xs)]
+                    _, stamps = step(arrays, x, ids)
                 rows = choose_item_rows(tokens, fmt)
-                combine = ", the combine in the launch" if mosaic.FUSED_COMBINE else ""
-                text = (f"{shape} {fmt} {tokens} tokens, items of {rows} rows{combine}\n\n"
+                text = (f"{shape} {fmt} {tokens} tokens, items of {rows} rows\n\n"
                         + timeline_summary(np.asarray(stamps)))
                 print(text + "\n", flush=True)
                 out.append(text)
@@ -243,8 +235,7 @@ def main() -> None:
     parser.add_argument("--timeline", action="store_true",
                         help="the one launch's per-program clock stamps, summarized; no timing")
     parser.add_argument("--set", default="", metavar="ARM",
-                        help="constants to set first, as one arm of moe_decode_arms.py "
-                             "(with FUSED_COMBINE=True, --timeline shows the combine programs)")
+                        help="constants to set first, as one arm of moe_decode_arms.py")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     try:

@@ -21,8 +21,7 @@ lists its loops (the bodies of backward branches) of 20 instructions or more: th
 and most frequent opcodes, e.g. the FP4 K-step loop's conversion against its fixed costs.
 
 Cases: ``{qwen3,gptoss}-{fp8,nvfp4,mxfp4}`` (Qwen3-30B-A3B, gpt-oss-120b; 64 pairs); each row
-of the table is the one-launch kernel (``slot_mlp``), the same with its combine programs
-(``slot_mlp(combine=)``, ``FUSED_COMBINE``) and the two ``slot_matmul`` kernels.
+of the table is the one-launch kernel (``slot_mlp``) and the two ``slot_matmul`` kernels.
 ``--set NAME=VALUE`` sets a ``pallas_kernels.moe_decode.mosaic`` constant first.
 """
 
@@ -71,8 +70,7 @@ CASES = {  # (format, H, I, gate_up kwargs of slot_mlp)
     "gptoss-nvfp4": ("nvfp4", 2880, 2880, dict(activation="gpt_oss", layout="interleaved")),
     "gptoss-mxfp4": ("mxfp4", 2880, 2880, dict(activation="gpt_oss", layout="interleaved")),
 }
-KERNELS = ("slot_mlp", "slot_mlp+combine", "gate_up", "down")  # +combine: FUSED_COMBINE's
-#   launch (its 64 pairs as 8 tokens of top-8, a bf16 out)
+KERNELS = ("slot_mlp", "gate_up", "down")
 
 
 def sass_loops(sass: str, min_length: int = 20) -> list[tuple[str, int, list[tuple[str, int]]]]:
@@ -141,26 +139,18 @@ def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str],
     fp8_block = (128, 128) if fmt == "fp8" else None
     work = spec((3, num_items(e, p, item_rows)), jnp.int32)
     rows = mosaic.window_rows(p, item_rows)
-    if kernel.startswith("slot_mlp"):
+    if kernel == "slot_mlp":
         names = ["gate_up", "down", "gate_up_scale", "down_scale", "gate_up_global_scale",
                  "down_global_scale"][:2 * len(gu)]
         arrays = [v for pair in zip(gu, dn, strict=True) for v in pair]
-        combine = []
-        if kernel.endswith("+combine"):
-            combine = [spec((p // 8, 8), d) for d in (jnp.int32, jnp.int32, jnp.float32)]
-            combine.append(spec((p,), jnp.int32))
-            variant = dict(variant, out_dtype=jnp.bfloat16)
 
         def f(work, a, factor, *arrays_):
-            arrays_, comb = arrays_[:len(names)], arrays_[len(names):] or None
             return mosaic.slot_mlp(work, a, factor, **dict(zip(names, arrays_, strict=True)),
-                                   combine=comb, fmt=fmt, fp8_block=fp8_block, tiles=tiles,
-                                   **variant)
+                                   fmt=fmt, fp8_block=fp8_block, tiles=tiles, **variant)
 
-        arrays += combine
         k = h
     else:
-        i = KERNELS.index(kernel) - 2
+        i = KERNELS.index(kernel) - 1
         arrays, k = (gu, h) if i == 0 else (dn, inter)
 
         def f(work, a, factor, w, scale, global_scale=None):

@@ -191,15 +191,6 @@ def test_moe_decode_mosaic_timeline_summary():
     assert cells[3] == ["down", "4", "1", "3", "6", "5.5", "12", "15"]
     assert cells[5] == ["0", "6", "6", "7", "1", "7", "13"]  # item 0
     assert cells[6] == ["1", "8", "8", "9", "2", "9", "15"]
-    # with the combine in the launch: a combine row; its programs' items (tokens) are no items
-    combine = np.array([[(base + int(1000 * v)) % (1 << 32) for v in row] + [7, 3, tok]
-                        for row, tok in [((4, 15, 16), 0), ((4, 15, 17), 5)]],
-                       np.int64).astype(np.uint32).view(np.int32)
-    with_combine = [ln.strip("| ").split(" | ") for ln in
-                    timeline_summary(np.concatenate([stamps, combine])).splitlines()
-                    if ln.startswith("| ")]
-    assert with_combine[4] == ["combine", "2", "4", "4", "11", "1.5", "16", "17"]
-    assert with_combine[:4] == cells[:4] and with_combine[5:] == cells[4:]
 
 
 def test_moe_decode_plan_benchmark_checks_every_builder():
@@ -293,12 +284,12 @@ def test_set_constants_sets_them(monkeypatch):
     from benchmarks.moe_decode_arms import set_constants
     from pallas_kernels.moe_decode import mosaic, rows
 
-    monkeypatch.setattr(mosaic, "FUSED_COMBINE", mosaic.FUSED_COMBINE)
+    monkeypatch.setattr(mosaic, "FP4_PARTS", mosaic.FP4_PARTS)
     monkeypatch.setattr(rows, "PLAN_X_ROWS_MAX_PAIRS", rows.PLAN_X_ROWS_MAX_PAIRS)
-    set_constants("FUSED_COMBINE=True rows.PLAN_X_ROWS_MAX_PAIRS=7")
-    assert mosaic.FUSED_COMBINE is True and rows.PLAN_X_ROWS_MAX_PAIRS == 7
+    set_constants("FP4_PARTS=4 rows.PLAN_X_ROWS_MAX_PAIRS=7")
+    assert mosaic.FP4_PARTS == 4 and rows.PLAN_X_ROWS_MAX_PAIRS == 7
     set_constants("")
-    assert mosaic.FUSED_COMBINE is True
+    assert mosaic.FP4_PARTS == 4
 
 
 def test_router_benchmark_checks_both_routers():

@@ -894,30 +894,6 @@ def test_ops_moe_decode_auto_and_errors():
                           kernels=aj.KernelConfig(grouped_matmul="pallas"))
 
 
-@pytest.mark.parametrize("kernels", ["xla", "pallas"])
-def test_ops_moe_decode_combine_weights(kernels):
-    """``combine_weights``: the pairs' weighted sum [T, H] in f32 rounded once to ``out_dtype``,
-    zero experts adding nothing, the extra stack's slot like any other; XLA and the (Triton)
-    kernels alike; a shape other than the ids' raises."""
-    p = _make(name="deepseek_v3", fmt=Format.MXFP4, dtype=jnp.bfloat16)
-    x = moe_tokens(4)
-    ids = jnp.asarray(np.array([[0, 8], [8, 3], [7, 9], [8, 8]]), jnp.int32)  # 8: extra, 9: zero
-    w = jnp.asarray(np.random.default_rng(2).uniform(0.1, 1.0, (4, 2)), jnp.float32)
-    extra = (p.shared_gate_up.stacked(), p.shared_down.stacked())
-    cfg = XLA_DECODE if kernels == "xla" else PALLAS_DECODE
-    f = jax.jit(aj.ops.moe_decode, static_argnames=("kernels", "out_dtype"))
-    pairs = f(x, ids, p.gate_up, p.down, extra=extra, kernels=cfg)
-    want = np.einsum("tk,tkh->th", np.asarray(w, np.float64), np.asarray(pairs, np.float64))
-    got = f(x, ids, p.gate_up, p.down, extra=extra, kernels=cfg, combine_weights=w)
-    chex.assert_type(got, jnp.float32)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    got16 = f(x, ids, p.gate_up, p.down, extra=extra, kernels=cfg, combine_weights=w,
-              out_dtype=jnp.bfloat16)
-    np.testing.assert_array_equal(got16, got.astype(jnp.bfloat16))
-    with pytest.raises(ValueError, match=r"combine_weights must be \(4, 2\)"):
-        aj.ops.moe_decode(x, ids, p.gate_up, p.down, extra=extra, combine_weights=w[:, :1])
-
-
 def test_deepseek_v3_fp8_stacks_take_the_pair_view():
     """At DeepSeek-V3's FP8 shapes (down [256, 7168, 2048] e4m3 = 3.76e9 bytes: more than 2^31
     elements in at most 2^32 bytes) the down launch reads the stack through its uint16 view;

@@ -27,13 +27,7 @@ import atlas_jax as aj
 from atlas_jax.config import ActQuant, Format
 from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout, WeightFormat
 from pallas_kernels.moe_decode import ExtraExperts, make_plan, moe_decode_pairs_reference, mosaic
-from pallas_kernels.moe_decode.kernel import (
-    RADIX_PLAN_MAX_PAIRS,
-    combine_pairs,
-    item_count,
-    item_span,
-    num_items,
-)
+from pallas_kernels.moe_decode.kernel import RADIX_PLAN_MAX_PAIRS, item_count, item_span, num_items
 from pallas_kernels.moe_decode.mosaic import (
     ROWS,
     SlotTile,
@@ -582,101 +576,6 @@ def test_fused_launch_extra_stack_and_bad_inputs():
         slot_mlp(work, a, factor, bf["gate_up"], bf["down"], interpret=True)
 
 
-COMBINE_CASES = [  # (T, k, format, arrays' keywords, variant, routing pattern, out dtype)
-    (5, 4, FP8, dict(bias=True), dict(), "zero_experts", jnp.bfloat16),
-    (8, 2, FP8, dict(bias=True, inter=192), dict(k_splits=(2, 2)), "dup_in_token", jnp.float32),
-    (3, 3, NVFP4, dict(), dict(activation="gelu_tanh"), "random", jnp.float32),
-    (4, 3, MXFP4, dict(bias=True), dict(activation="gpt_oss", gate_up_layout="interleaved",
-                                        limit=0.5), "repeated", jnp.bfloat16),
-]
-
-
-def combine_weights(t: int, k: int, seed: int = 4) -> jax.Array:
-    """Random positive [T, k] f32 weights (never zeros)."""
-    return jnp.asarray(np.random.default_rng(seed).uniform(0.1, 1.0, (t, k)), jnp.float32)
-
-
-def assert_combine_close(out, pairs, w, out_dtype):
-    """``out [T, H]`` against XLA's combine of ``pairs``: the f32 sums may differ in their
-    order (a few ulps of the terms' magnitudes), bf16 ``out`` by one rounding more."""
-    chex.assert_type(out, out_dtype)
-    want = np.asarray(combine_pairs(pairs, w), np.float64)
-    terms = np.asarray(combine_pairs(jnp.abs(pairs), jnp.abs(w)), np.float64)
-    tol = 1e-5 * terms + (2.0**-7 * np.abs(want) if out_dtype != jnp.float32 else 0.0)
-    err = np.abs(np.asarray(out, np.float64) - want)
-    assert np.isfinite(err).all() and (err <= tol).all(), float((err - tol).max())
-
-
-@pytest.mark.parametrize("t,k,fmt,arrays_kw,variant,pattern,out_dtype", COMBINE_CASES,
-                         ids=[f"T{c[0]}-k{c[1]}-{c[2].value}-{i}"
-                              for i, c in enumerate(COMBINE_CASES)])
-def test_fused_combine_in_the_launch(monkeypatch, t, k, fmt, arrays_kw, variant, pattern,
-                                     out_dtype):
-    """``FUSED_COMBINE``: the one launch's combine programs (interpret mode: after every down
-    program, the jnp twin) give XLA's combine of the pairs (zero experts add nothing; K-split
-    partials summed) to f32 rounding, and of the reference's pairs."""
-    kw = arrays(fmt, **arrays_kw)
-    x, ids = x_rows(t), routing(pattern, t, k, seed=3)
-    w = combine_weights(t, k)
-    calls = []
-    monkeypatch.setattr(mosaic, "_combine_jnp", functools.partial(
-        lambda f, *a, **kw_: calls.append(1) or f(*a, **kw_), mosaic._combine_jnp))
-    with mosaic_constants(monkeypatch, FUSED_COMBINE=True):
-        fused = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=True, **kw, **variant,
-                                        combine_weights=w, out_dtype=out_dtype)
-    assert calls, "the combine programs did not run"
-    pairs = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=True, **kw, **variant)
-    chex.assert_shape(fused, (t, H))
-    assert_combine_close(fused, pairs, w, out_dtype)
-    variant.pop("k_splits", None)
-    ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
-    assert rel_err(fused.astype(jnp.float32), combine_pairs(ref, w)) < 1e-2
-
-
-def test_fused_combine_extra_stack_and_bad_inputs(monkeypatch):
-    """The shared expert (id E, the extra stack) in the combine like a routed slot; a
-    combine_weights shape other than the ids' raises."""
-    kw, _, extra, x, ids = extra_case(FP8, 8)
-    w = combine_weights(*ids.shape)
-    with mosaic_constants(monkeypatch, FUSED_COMBINE=True):
-        fused = moe_decode_mosaic_pairs(x, ids, interpret=True, extra=extra, fused=True, **kw,
-                                        combine_weights=w)
-    pairs = moe_decode_mosaic_pairs(x, ids, interpret=True, extra=extra, fused=True, **kw)
-    assert_combine_close(fused, pairs, w, jnp.float32)
-    with pytest.raises(ValueError, match=r"combine_weights: expected \(8, 3\)"):
-        moe_decode_mosaic_pairs(x, ids, interpret=True, extra=extra, **kw,
-                                combine_weights=w[:, :2])
-    rows = window_rows(8)
-    work = jnp.zeros((3, 4), jnp.int32)
-    a, factor = jnp.ones((rows, H), jnp.float16), jnp.ones((rows,), jnp.float32)
-    args = (kw["gate_up"], kw["down"], kw["gate_up_scale"], kw["down_scale"])
-    opts = dict(fp8_block=FP8_BLOCK, interpret=True)
-    comb = (ids, ids, w, jnp.zeros((24,), jnp.int32))
-    with pytest.raises(ValueError, match="out_dtype: f32, bf16 or f16"):
-        slot_mlp(work, a, factor, *args, combine=comb, out_dtype=jnp.int32, **opts)
-    with pytest.raises(ValueError, match=r"combine: expected ids, row_of_pair, weights"):
-        slot_mlp(work, a, factor, *args, combine=(ids, ids[:, :2], w, comb[3]), **opts)
-    wide = jnp.zeros((8, 10), jnp.int32)
-    with pytest.raises(ValueError, match="10 slots x 1 K splits of down, past COMBINE_MAX"):
-        slot_mlp(work, a, factor, *args, combine=(wide, wide, wide.astype(jnp.float32),
-                                                  comb[3]), **opts)
-
-
-def test_fused_combine_past_its_loads_takes_xla(monkeypatch):
-    """Slots x down's K splits past ``COMBINE_MAX_LOADS`` (the combine programs' registers):
-    XLA's combine of the one launch's pairs, the same sums."""
-    kw, x, ids = arrays(FP8, inter=384), x_rows(4), routing("random", 4, 4, seed=1)
-    w = combine_weights(4, 4)
-    calls = []
-    monkeypatch.setattr(mosaic, "_combine_jnp", lambda *a, **k: calls.append(1))
-    with mosaic_constants(monkeypatch, FUSED_COMBINE=True):
-        out = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=True, k_splits=(1, 3), **kw,
-                                      combine_weights=w)
-    assert not calls
-    pairs = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=True, k_splits=(1, 3), **kw)
-    np.testing.assert_array_equal(out, combine_pairs(pairs, w))
-
-
 def test_choose_k_splits():
     """More programs along K only while the (item, 64-row) programs stay near 4 an SM (1.25x
     slack), keeping >= 2 K steps a program and dividing the steps."""
@@ -775,27 +674,6 @@ def test_moe_forward_mosaic_equals_triton_and_xla(name, fmt, tokens):
     chex.assert_tree_all_finite(y)
     assert rel_err(y, f(p, x, kernels=TRITON)) < 1e-2
     assert rel_err(y, f(p, x, kernels=XLA)) < 1e-2
-
-
-@pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])  # deepseek_v3: the shared expert
-#   folded in, weight 1 in the combine
-def test_moe_forward_fused_combine(monkeypatch, name):
-    """``moe_forward`` at 8 tokens (the one launch) with its combine in the launch
-    (``FUSED_COMBINE``): x's dtype straight out of the launch, as with XLA's combine."""
-    shared = dict(shared_intermediate_size=64) if name == "deepseek_v3" else {}
-    p = _make(name=name, fmt=Format.FP8_BLOCK, dtype=jnp.bfloat16, **LAYER, **shared)
-    x = jax.random.normal(jax.random.key(2), (8, 128), jnp.float32).astype(jnp.bfloat16)
-    f = jax.jit(aj.moe_forward, static_argnames="kernels")
-    step = functools.partial(aj.moe_forward, kernels=MOSAIC)
-    y, text = f(p, x, kernels=MOSAIC), str(jax.make_jaxpr(step)(p, x))
-    assert "name=slot_mlp" in text and text.count("dot_general") == 1  # XLA's combine
-    with mosaic_constants(monkeypatch, FUSED_COMBINE=True):
-        y_in, text = f(p, x, kernels=MOSAIC), str(jax.make_jaxpr(step)(p, x))
-    assert "name=slot_mlp" in text and "dot_general" not in text  # the launch's own
-    chex.assert_type(y_in, jnp.bfloat16)
-    assert rel_err(y_in, y) < 1e-2
-    np.testing.assert_allclose(np.asarray(y_in, np.float32), np.asarray(y, np.float32),
-                               rtol=2e-2, atol=2e-2)
 
 
 def test_decode_kernel_choice_and_errors(monkeypatch):
@@ -930,9 +808,6 @@ class TestLowersForHopper:
         (MXFP4, 2880, 2880, (1, 5), dict(activation="gpt_oss", layout="interleaved", limit=7.0,
                                          rows=1, timeline=True)),  # 1 token, clock stamps
         (FP8, 2048, 768, (1, 1), dict(rows=8, timeline=True)),
-        (NVFP4, 2048, 768, (1, 1), dict(rows=8, combine=jnp.bfloat16)),  # the combine
-        (MXFP4, 2880, 2880, (1, 1), dict(activation="gpt_oss", layout="interleaved", limit=7.0,
-                                         combine=jnp.float32, timeline=True)),
     ], ids=lambda v: getattr(v, "value", v))
     def test_one_launch_lowers(self, fmt, h, inter, k_splits, variant):
         self.lower_one_launch(fmt, h, inter, k_splits, variant)
@@ -971,21 +846,15 @@ class TestLowersForHopper:
         rows = window_rows(p, item_rows)
         tiles = (choose_slot_tile(h, fmt=name, rows=item_rows),
                  choose_slot_tile(inter, fmt=name, rows=item_rows))
-        out_dtype = variant.pop("combine", None)  # 8 tokens of top-8 combined into it
-        comb = [] if out_dtype is None else [jax.ShapeDtypeStruct((8, 8), d) for d in (
-            jnp.int32, jnp.int32, jnp.float32)] + [jax.ShapeDtypeStruct((p,), jnp.int32)]
-        if out_dtype is not None:
-            variant["out_dtype"] = out_dtype
 
         def f(work, a, factor, *arrays_):
-            arrays_, combine = arrays_[:len(names)], arrays_[len(names):] or None
             return slot_mlp(work, a, factor, **dict(zip(names, arrays_, strict=True)), fmt=name,
                             fp8_block=(128, 128) if fmt is FP8 else None, tiles=tiles,
-                            k_splits=k_splits, combine=combine, **variant)
+                            k_splits=k_splits, **variant)
 
         args = [jax.ShapeDtypeStruct((3, e + p // ROWS), jnp.int32),
                 jax.ShapeDtypeStruct((rows, h), jnp.float16),
-                jax.ShapeDtypeStruct((rows,), jnp.float32), *specs, *comb]
+                jax.ShapeDtypeStruct((rows,), jnp.float32), *specs]
         text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
         assert "mosaic_gpu" in text
 
@@ -1033,36 +902,6 @@ def test_compiled_one_launch_timeline_on_gpu(t):
     assert (np.diff(phase) >= 0).all() and phase[0] == 0 and phase[-1] == 2
     for p in range(3):
         assert (np.diff(item[phase == p]) >= 0).all() and item[phase == p][0] == 0
-
-
-@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
-@pytest.mark.parametrize("t", [8, 20])  # windows of 8 and 16 rows
-@pytest.mark.parametrize("fmt,k_splits,out_dtype", [
-    (FP8, (1, 1), jnp.bfloat16), (NVFP4, (1, 2), jnp.float32), (MXFP4, (2, 1), jnp.bfloat16)],
-    ids=str)
-def test_compiled_fused_combine_on_gpu(monkeypatch, fmt, k_splits, t, out_dtype):
-    """The compiled combine programs (each waits for its token's rows: the down programs'
-    per-row signals) against XLA's combine of the same launch's pairs; a zero expert; rows
-    1e-3 .. 1e3; K-split partials."""
-    e, h, k = 16, 1024, 4
-    rng = np.random.default_rng(t)
-    kw = arrays(fmt, e=e, h=h, inter=512, bias=True, seed=1, fp8_block=(128, 128))
-    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)])
-    ids[0, -1] = e  # a zero expert
-    ids = jnp.asarray(ids, jnp.int32)
-    x = rng.standard_normal((t, h)) * np.logspace(-3, 3, t)[:, None]
-    x = jnp.asarray(x.astype(ml_dtypes.bfloat16))
-    w = combine_weights(t, k)
-    pairs = moe_decode_mosaic_pairs(x, ids, **kw, k_splits=k_splits, fused=True)
-    with mosaic_constants(monkeypatch, FUSED_COMBINE=True):
-        text = str(jax.make_jaxpr(functools.partial(
-            moe_decode_mosaic_pairs, **kw, k_splits=k_splits, fused=True, combine_weights=w,
-            out_dtype=out_dtype))(x, ids))
-        assert "dot_general" not in text  # the launch's combine, not XLA's
-        for _ in range(3):  # the waits hold run after run
-            out = moe_decode_mosaic_pairs(x, ids, **kw, k_splits=k_splits, fused=True,
-                                          combine_weights=w, out_dtype=out_dtype)
-            assert_combine_close(out, pairs, w, out_dtype)
 
 
 def check_compiled(fmt, k_splits, t: int, fused: bool, *, inter: int,

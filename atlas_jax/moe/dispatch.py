@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 
 from atlas_jax.moe.routing import Routing
-from pallas_kernels.moe_decode.kernel import combine_pairs
 
 
 class Permutation(NamedTuple):
@@ -41,4 +40,4 @@ def combine(pairs: jax.Array, x: jax.Array, r: Routing, num_experts: int) -> jax
     pairs = pairs.reshape(t, k, -1).astype(jnp.float32)
     identity = (r.expert_ids >= num_experts)[..., None]  # [T, k, 1]
     pairs = jnp.where(identity, x.astype(jnp.float32)[:, None, :], pairs)
-    return combine_pairs(pairs, r.weights)
+    return jnp.einsum("tk,tkh->th", r.weights.astype(jnp.float32), pairs)

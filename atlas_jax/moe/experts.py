@@ -52,38 +52,31 @@ def routed_experts_prefill(params: MoEParams, x: jax.Array, r: Routing,
 
 def routed_experts_decode(params: MoEParams, x: jax.Array, r: Routing,
                           kernels: KernelConfig | None = None, *,
-                          fold_shared: bool = False, out_dtype=jnp.float32) -> jax.Array:
+                          fold_shared: bool = False) -> jax.Array:
     """Few tokens: read only the distinct selected experts (at most min(E, T*k) of them), once
     (``ops.moe_decode``: XLA gather+einsum or the Pallas expert-major kernels, by
-    ``kernels.grouped_matmul``), then combine. [T, H] out, summed in f32 and rounded once to
-    ``out_dtype``.
+    ``kernels.grouped_matmul``), then combine. [T, H] f32 out.
 
     ``fold_shared`` (``shared_folds``): the shared expert is read by the same launches, as
     ``ops.moe_decode``'s extra stack that every token selects once more (id E), and its gated
-    output is added here. Without zero experts, and with no gate on a folded shared expert
-    (its weight 1), the combine is ``ops.moe_decode``'s own (``combine_weights``: on the
-    kernels' one launch where it has one)."""
+    output is added here."""
     cfg = params.config
     e = cfg.num_experts
     t, k = r.expert_ids.shape
-    ids, weights, extra = r.expert_ids, r.weights, None
+    ids, extra = r.expert_ids, None
     if fold_shared:
         routed = (ids >= 0) & (ids < e)
         ids = jnp.concatenate([jnp.where(routed, ids, e + 1),  # zero experts stay outside
                                jnp.full((t, 1), e, ids.dtype)], axis=1)
-        weights = jnp.concatenate([weights, jnp.ones((t, 1), weights.dtype)], axis=1)
         extra = (params.shared_gate_up.stacked(), params.shared_down.stacked())
-    kw = dict(gate_up_bias=params.gate_up_bias, down_bias=params.down_bias,
-              epilogue=GateUp.of(cfg), kernels=kernels, extra=extra,
-              **act_quants(cfg, params.gate_up.format))
-    if cfg.num_zero_experts == 0 and (not fold_shared or params.shared_gate is None):
-        return ops.moe_decode(x, ids, params.gate_up, params.down, combine_weights=weights,
-                              out_dtype=out_dtype, **kw)
-    pairs = ops.moe_decode(x, ids, params.gate_up, params.down, **kw)  # [T, k (+1), H] f32
+    pairs = ops.moe_decode(x, ids, params.gate_up, params.down,
+                           gate_up_bias=params.gate_up_bias, down_bias=params.down_bias,
+                           epilogue=GateUp.of(cfg), kernels=kernels, extra=extra,
+                           **act_quants(cfg, params.gate_up.format))  # [T, k (+1), H] f32
     y = combine(pairs[:, :k].reshape(t * k, -1), x, r, e)
     if fold_shared:
         y = y + _shared_gated(params, x, pairs[:, k])
-    return y.astype(out_dtype)
+    return y
 
 
 def dense_mlp(x: jax.Array, gate_up: QTensor, down: QTensor, cfg: MoEConfig) -> jax.Array:

@@ -58,10 +58,8 @@ def moe_forward(
               ).astype(x.dtype)
     decode = choose_path(x2.shape[0], kernels) is MoEPath.DECODE
     fold = decode and shared_folds(params, x2.shape[0], kernels)
-    if decode:  # rounded to x's dtype in the combine where nothing is added after it
-        alone = params.shared_gate_up is None or fold
-        y = routed_experts_decode(params, xe, r, kernels, fold_shared=fold,
-                                  out_dtype=x.dtype if alone else jnp.float32)
+    if decode:
+        y = routed_experts_decode(params, xe, r, kernels, fold_shared=fold)
     else:
         y = routed_experts_prefill(params, xe, r, kernels)
     if params.shared_gate_up is not None and not fold:

@@ -188,12 +188,9 @@ def moe_decode_pallas(
     down_act_quant: ActQuant = ActQuant.NONE,
     extra: tuple[QTensor, QTensor] | None = None,
     kernels: KernelConfig | None = None,
-    combine_weights: jax.Array | None = None,
-    out_dtype=jnp.float32,
-) -> jax.Array:  # [T, k, H] float32; with combine_weights [T, H] out_dtype
+) -> jax.Array:  # [T, k, H] float32
     """The Pallas decode kernels of ``kernels.decode_kernel``'s family (``_use_mosaic``)."""
     from pallas_kernels.moe_decode import moe_decode_pairs
-    from pallas_kernels.moe_decode.kernel import combine_pairs
     from pallas_kernels.moe_decode.mosaic import moe_decode_mosaic_pairs
 
     reason = unsupported_reason(gate_up, down)
@@ -208,12 +205,10 @@ def moe_decode_pallas(
         if reason is not None:
             raise NotImplementedError(f"moe_decode (decode_kernel='mosaic'): {reason}")
         return moe_decode_mosaic_pairs(x.astype(jnp.bfloat16), ids, gate_up.data, down.data,
-                                       **bias, **kw, combine_weights=combine_weights,
-                                       out_dtype=out_dtype)
-    pairs = moe_decode_pairs(x.astype(compute_dtype(x)), ids, gate_up.data, down.data, **bias,
-                             gate_up_act_quant=gate_up_act_quant.value,
-                             down_act_quant=down_act_quant.value, **kw)
-    return pairs if combine_weights is None else combine_pairs(pairs, combine_weights, out_dtype)
+                                       **bias, **kw)
+    return moe_decode_pairs(x.astype(compute_dtype(x)), ids, gate_up.data, down.data, **bias,
+                            gate_up_act_quant=gate_up_act_quant.value,
+                            down_act_quant=down_act_quant.value, **kw)
 
 
 def _check(x, expert_ids, gate_up, down, gate_up_bias, down_bias) -> None:
@@ -259,24 +254,14 @@ def moe_decode(
     extra: tuple[QTensor, QTensor] | None = None,  # [E2, 2I, H], [E2, H, I]: ids E..E+E2-1
     gate_up_act_quant: ActQuant | str = ActQuant.NONE,  # fp8: W8A8 gate_up (FP8_BLOCK)
     down_act_quant: ActQuant | str = ActQuant.NONE,  # fp8: W8A8 down (FP8_BLOCK)
-    combine_weights: jax.Array | None = None,  # [T, k] float: return the weighted sum
-    out_dtype=jnp.float32,  # with combine_weights: the sum's dtype
-) -> jax.Array:  # [T, k, H] float32, zero-expert pairs 0; with combine_weights [T, H]
+) -> jax.Array:  # [T, k, H] float32, zero-expert pairs 0
     """Each (token, slot) pair's routed-expert output, reading only the selected experts.
 
     ``kernels.grouped_matmul`` chooses: "xla", "pallas" (interpret mode off GPU), or "auto"
     (Pallas on GPU; the XLA path elsewhere, or when ``unsupported_reason`` names a reason, said
     once in a log line).
-
-    With ``combine_weights``: ``sum_j combine_weights[t, j] * pairs[t, j]`` ``[T, H]``, in
-    float32 and rounded once to ``out_dtype`` (zero-expert pairs add nothing: their ``w * x``
-    is the caller's), on the Mosaic GPU kernels' one launch where
-    ``pallas_kernels.moe_decode.mosaic.FUSED_COMBINE`` is set, else by XLA from the pairs.
     """
     _check(x, expert_ids, gate_up, down, gate_up_bias, down_bias)
-    if combine_weights is not None and combine_weights.shape != expert_ids.shape:
-        raise ValueError(f"moe_decode: combine_weights must be {expert_ids.shape} "
-                         f"(expert_ids'), got {combine_weights.shape}")
     quant = dict(gate_up_act_quant=check_act_quant("moe_decode", gate_up, gate_up_act_quant),
                  down_act_quant=check_act_quant("moe_decode", down, down_act_quant))
     if extra is not None:
@@ -286,17 +271,11 @@ def moe_decode(
     args = (x, expert_ids, gate_up, down, gate_up_bias, down_bias, epilogue)
     match decode_backend(gate_up, down, kernels):
         case Backend.XLA:
-            from pallas_kernels.moe_decode.kernel import combine_pairs
-
             pairs = moe_decode_reference(*args, **quant)
-            if extra is not None:
-                e, e2 = gate_up.shape[0], extra[0].shape[0]
-                ids = jnp.where(expert_ids >= e, expert_ids - e, e2)  # main-stack ids: zero
-                pairs = pairs + moe_decode_reference(x, ids, *extra, epilogue=epilogue,
-                                                     **quant)
-            if combine_weights is None:
+            if extra is None:
                 return pairs
-            return combine_pairs(pairs, combine_weights, out_dtype)
+            e, e2 = gate_up.shape[0], extra[0].shape[0]
+            ids = jnp.where(expert_ids >= e, expert_ids - e, e2)  # main-stack ids: zero
+            return pairs + moe_decode_reference(x, ids, *extra, epilogue=epilogue, **quant)
         case Backend.PALLAS:
-            return moe_decode_pallas(*args, extra=extra, kernels=kernels, **quant,
-                                     combine_weights=combine_weights, out_dtype=out_dtype)
+            return moe_decode_pallas(*args, extra=extra, kernels=kernels, **quant)

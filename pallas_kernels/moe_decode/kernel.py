@@ -1010,13 +1010,6 @@ def pairs_of(y_sorted: jax.Array, plan: DecodePlan) -> jax.Array:
     return jnp.where(plan.routed[..., None], pairs, 0.0)
 
 
-def combine_pairs(pairs: jax.Array, weights: jax.Array, out_dtype=jnp.float32) -> jax.Array:
-    """``[T, k, H]`` pairs (zero experts' 0) -> ``sum_j weights[t, j] * pairs[t, j]`` ``[T,
-    H]`` in f32, rounded once to ``out_dtype`` (XLA; also ``moe.dispatch.combine``'s sum)."""
-    return jnp.einsum("tk,tkh->th", weights.astype(jnp.float32),
-                      pairs.astype(jnp.float32)).astype(out_dtype)
-
-
 # ---------------------------------------------------------------------------------------------
 # Public entries.
 # ---------------------------------------------------------------------------------------------

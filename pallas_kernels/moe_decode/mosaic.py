@@ -66,9 +66,6 @@ fused by XLA). Up to 64 pairs the plan and x's rows are one launch
 (``rows.plan_x_rows``): four. BF16 weights take bf16 rows gathered by XLA. With f16
 activations at ``FUSE_MLP_TOKENS`` tokens (``fused``) gate_up, h and down are one launch
 (``slot_mlp``) whose programs wait on GMEM semaphores (the comment above ``slot_mlp``).
-``combine_weights`` asks for the k-way combine ``[T, H]`` itself: XLA's from the pairs, or,
-with ``FUSED_COMBINE`` on the one launch, its last programs (``_combine_inline``), each
-waiting for its token's rows.
 """
 
 from __future__ import annotations
@@ -107,7 +104,6 @@ from pallas_kernels.moe_decode.kernel import (
     DecodePlan,
     ExtraExperts,
     _epilogue,
-    combine_pairs,
     item_count,
     item_span,
     make_plan,
@@ -1229,11 +1225,7 @@ def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, row_fact
 # the slots the next items' h programs needed; NOTES, session 24).
 # The GPU starts programs in grid order, so a program only waits for programs started before
 # it: an h program for its item's gate_up programs (a GMEM semaphore each signals once
-# its TMA stores have completed), a down program for its item's h programs. With the combine
-# (``slot_mlp(combine=)``), the combine programs last (``combine_programs``): each down
-# program signals, once its stores have completed, the semaphore of each of its rows' tokens,
-# and token t's combine programs wait for its routed slots times the down programs an item
-# has. The semaphores
+# its TMA stores have completed), a down program for its item's h programs. The semaphores
 # (``pl.get_global``: one array for the whole grid) are zero-filled before the launch; the
 # interpreter runs programs one after another in grid order and has none.
 
@@ -1254,9 +1246,6 @@ H_PROGRAM_ROWS = 1  # rows of an h program (1, 2, 4, 8 or 16): cdiv(rows, this) 
 H_CHUNK = 2  # h columns a thread of the h program loads at a time (2 or 4: 8- or 16-byte loads)
 H_KEEP_CHUNKS = 16  # chunks a thread keeps in registers between the max and the stores
 FUSED_WAIT = True  # False: the programs skip their waits (wrong results: timing only)
-FUSED_COMBINE = False  # moe_decode_mosaic_pairs(combine_weights=) on the one launch: the k-way
-#   combine as its last programs (``_combine_inline``), in place of XLA's combine launch
-#   (Qwen3-30B-A3B NVFP4 8 tokens: 2.3 us busy, session 28). Off until timed on the H200.
 
 
 def _h_program_jnp(gu_ref, h_ref, hf_ref, first, count, *, splits: int, rows: int,
@@ -1444,113 +1433,6 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, spli
     program(*refs, jnp.asarray(first, jnp.int32), jnp.asarray(count, jnp.int32))
 
 
-# The combine programs' 4-column chunks of a row: 128 a program (a thread's one). Their
-# loads, slots x K splits of them, are all in flight at once; the launch's registers are the
-# most any of its programs needs, so the one launch takes its combine only up to
-# COMBINE_MAX_LOADS (ptxas, offline: Qwen3 NVFP4 / FP8 at 8 tokens 72 registers with or
-# without it; with each thread's chunks of the whole row in flight, 142 / 150).
-COMBINE_CHUNKS = 128
-COMBINE_MAX_LOADS = 9
-
-
-def combine_programs(tokens: int, hidden: int) -> int:
-    """The one launch's combine programs: ``COMBINE_CHUNKS`` 4-column chunks of a row each."""
-    return tokens * -(-hidden // (4 * COMBINE_CHUNKS))
-
-
-def _combine_jnp(y_ref, ids_ref, rop_ref, w_ref, out_ref, t, g, *, slots: int, e_all: int,
-                 splits: int, rows: int):
-    """Interpret mode's ``_combine_inline``: token ``t``'s columns of group ``g`` by jnp."""
-    n = min(4 * COMBINE_CHUNKS, y_ref.shape[1])
-    at = jnp.minimum(g * 4 * COMBINE_CHUNKS, y_ref.shape[1] - n)  # n columns from here in H
-    acc = jnp.zeros((1, n), jnp.float32)
-    for j in range(slots):
-        e, r, wj = ids_ref[t * slots + j], rop_ref[t * slots + j], w_ref[t * slots + j]
-        ok = (e >= 0) & (e < e_all)
-        r = jnp.where(ok, r, 0)
-        p = y_ref[pl.ds(r, 1), pl.ds(at, n)]
-        for s in range(1, splits):
-            p = p + y_ref[pl.ds(s * rows + r, 1), pl.ds(at, n)]
-        acc = jnp.where(ok, acc + wj * p, acc)
-    out_ref[pl.ds(t, 1), pl.ds(at, n)] = acc.astype(out_ref.dtype)
-
-
-def _combine_inline(y_ref, ids_ref, rop_ref, w_ref, out_ref, t, g, *, slots: int, e_all: int,
-                    splits: int, rows: int):
-    """A combine program (one warpgroup): columns ``[512 g, 512 (g + 1))`` of token ``t``'s
-    row ``out[t] = sum_j w[t, j] * sum_s y[s * rows + row_of_pair[t, j]]`` over its routed
-    slots ``j`` (expert id in ``[0, e_all)``), in f32, slot by slot, rounded once to
-    ``out_ref``'s dtype. ``ids_ref``, ``rop_ref``, ``w_ref``: ``[T * slots]`` (expert id,
-    sorted row, weight); ``y_ref [splits * rows, H]`` f32 the down programs' rows. Thread ``i``
-    takes 4-column chunk ``COMBINE_CHUNKS g + i`` (past the row: none), loaded straight from
-    global memory (L2)."""
-    hidden = y_ref.shape[1]
-    chunks = hidden // 4
-    out_bytes = jnp.dtype(out_ref.dtype).itemsize
-    refs = (y_ref, ids_ref, rop_ref, w_ref, out_ref)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs) + (plgpu.Layout.WG_SPLAT,) * 2)
-    def program(_, *args):
-        *mems, t_, g_ = args
-        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
-        f32x4 = ir.VectorType.get((4,), f32)
-        tid = arith.remui(mgpu.utils.thread_idx(), _i32(128))
-        y_ptr, ids_ptr, rop_ptr, w_ptr, out_ptr = (mgpu.utils.memref_ptr(v) for v in mems)
-        token = t_.registers.item()
-        c = arith.addi(arith.muli(g_.registers.item(), _i32(COMBINE_CHUNKS)), tid)
-        in_row = arith.cmpi(arith.CmpIPredicate.ult, c, _i32(chunks))
-        col = arith.muli(arith.select(in_row, c, _i32(0)), _i32(16))
-        acc = arith.constant(f32x4, ir.DenseElementsAttr.get_splat(
-            f32x4, ir.FloatAttr.get(f32, 0.0)))
-        for j in range(slots):
-            pair = arith.muli(arith.addi(arith.muli(token, _i32(slots)), _i32(j)), _i32(4))
-            e = _load(ids_ptr, pair, i32)
-            ok = arith.andi(arith.cmpi(arith.CmpIPredicate.sge, e, _i32(0)),
-                            arith.cmpi(arith.CmpIPredicate.slt, e, _i32(e_all)))
-            row = arith.select(ok, _load(rop_ptr, pair, i32), _i32(0))
-            p = None
-            for s in range(splits):
-                at = arith.addi(arith.muli(arith.addi(row, _i32(s * rows)), _i32(4 * hidden)),
-                                col)
-                v = _load(y_ptr, at, f32x4)
-                p = v if p is None else arith.addf(p, v)
-            w = vector.broadcast(f32x4, _load(w_ptr, pair, f32))
-            acc = arith.select(ok, arith.addf(acc, arith.mulf(w, p)), acc)
-        if out_bytes == 2:
-            acc = arith.truncf(ir.VectorType.get((4,), _BIAS_TYPES[jnp.dtype(
-                out_ref.dtype)].get()), acc)
-        at = arith.muli(arith.addi(arith.muli(token, _i32(hidden)), arith.muli(c, _i32(4))),
-                        _i32(out_bytes))
-        with mgpu.utils.when(in_row):
-            llvm.store(acc, _gep(out_ptr, at))
-
-    program(*refs, jnp.asarray(t, jnp.int32), jnp.asarray(g, jnp.int32))
-
-
-def _signal_tokens(sems_ref, token_ref, first, count, *, rows: int):
-    """One thread adds 1 to ``sems_ref[token_ref[first + i]]`` for ``i < count`` (at most
-    ``rows``) after one ``fence.acq_rel.gpu``: the PTX release pattern (fence, then relaxed
-    writes), where ``plgpu.semaphore_signal`` row by row would be a release each (``red.release``
-    waits for this program's writes every time)."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2 + (plgpu.Layout.WG_SPLAT,) * 2)
-    def signal(_, sems, tokens, first_, count_):
-        i32 = ir.IntegerType.get_signless(32)
-        sem_ptr, tok_ptr = mgpu.utils.memref_ptr(sems), mgpu.utils.memref_ptr(tokens)
-        first_, count_ = first_.registers.item(), count_.registers.item()
-        tid = arith.remui(mgpu.utils.thread_idx(), _i32(128))
-        with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.eq, tid, _i32(0))):
-            mgpu.utils.inline_ptx("fence.acq_rel.gpu;", has_side_effects=True)
-            for i in range(rows):
-                with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.slt, _i32(i), count_)):
-                    t = _load(tok_ptr, arith.muli(arith.addi(first_, _i32(i)), _i32(4)), i32)
-                    mgpu.utils.inline_ptx("red.relaxed.gpu.global.add.u32 [$0], 1;",
-                                          _gep(sem_ptr, arith.muli(t, _i32(4))),
-                                          has_side_effects=True)
-
-    signal(sems_ref, token_ref, jnp.asarray(first, jnp.int32), jnp.asarray(count, jnp.int32))
-
-
 def _proxy_fence():
     """``fence.proxy.async.global`` then a warpgroup barrier: the generic and the async (TMA)
     proxy agree on global memory, for every thread, before a release or after an acquire."""
@@ -1563,8 +1445,7 @@ def _proxy_fence():
     fence()
 
 
-# slot_mlp(timeline=True)'s columns: phase 0 gate_up, 1 h, 2 down, 3 combine; item: the work
-# item (combine: the token)
+# slot_mlp(timeline=True)'s columns: phase 0 gate_up, 1 h, 2 down; item: the work item
 TIMELINE_COLUMNS = ("start", "waited", "end", "sm", "phase", "item")
 
 
@@ -1604,20 +1485,16 @@ def _fused_programs(two_i: int, hidden: int, k_splits: tuple[int, int],
 
 def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
                   gate_up_bias: bool, down_bias: bool, sync: bool, timeline: bool, gate_up: dict,
-                  down: dict, h_program: dict, combine: dict | None):
+                  down: dict, h_program: dict):
     """``slot_mlp``'s launch (see the comment above). ``rest``: the gate_up stacks, the down
-    stacks (``_kernel``'s), [gate_up bias], [down bias], [combine: ids, row_of_pair, weights
-    [T * slots], token_of_row [P]]; out gu [S_gu * R, 2I] f32, h [R, I] f16, h factor [R] f32,
-    y [S_down * R, H] f32, [combine: out [T, H]], [timeline [programs, 6] i32]; [w stages
+    stacks (``_kernel``'s), [gate_up bias], [down bias]; out gu [S_gu * R, 2I] f32, h [R, I]
+    f16, h factor [R] f32, y [S_down * R, H] f32, [timeline [programs, 6] i32]; [w stages
     (interpret: gate_up's, down's)]."""
     gu_stacks, rest = _split_stacks(rest, fmt, num_stacks)
     down_stacks, rest = _split_stacks(rest, fmt, num_stacks)
     gu_bias = rest.pop(0) if gate_up_bias else None
     dn_bias = rest.pop(0) if down_bias else None
-    if combine is not None:
-        ids_g, rop_g, wts_g, tok_g, *rest = rest
     gu_o, h_o, hf_o, y_o, *rest = rest
-    out_o = rest.pop(0) if combine is not None else None
     tl_o = rest.pop(0) if timeline else None
     stages = rest or (None, None)
     w = work_gmem.shape[1]
@@ -1626,12 +1503,9 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
         gu_o.shape[1], y_o.shape[1], (gate_up["k_splits"], down["k_splits"]),
         gate_up["tile"].rows)
     n_gu = w * gu_per_item
-    # [2, W] (gate_up, h done by item) and with the combine [3, max(W, T)] (down rows done by
-    # token), shared by every program (a scratch semaphore would be a program's own),
-    # zero-filled before each launch (Pallas' GMEM scratch; the counts are not taken back)
-    tokens = 0 if combine is None else out_o.shape[0]
-    shape = (2, w) if combine is None else (3, max(w, tokens))
-    sems = pl.get_global(plgpu.SemaphoreType.REGULAR(shape)) if sync else None
+    # [2, W], shared by every program (a scratch semaphore would be a program's own), zero-filled
+    # before each launch (Pallas' GMEM scratch; the counts are not taken back)
+    sems = pl.get_global(plgpu.SemaphoreType.REGULAR((2, w))) if sync else None
     pid = lax.axis_index("p")
     if timeline:  # "waited" is the start for programs that do not wait
         _stamp(tl_o, pid, 0)
@@ -1654,9 +1528,9 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
                 plgpu.semaphore_signal(sems.at[0, u], 1, memory_scope="gpu")
 
     q = pid - n_gu  # then the h and down programs: (item, h part or down program)
-    is_h, d0 = q < h_parts * w, q - h_parts * w  # all h programs, then all down programs
-    u = jnp.where(is_h, lax.div(q, h_parts), lax.div(d0, down_per_item))
-    part, d = lax.rem(q, h_parts), lax.rem(d0, down_per_item)
+    is_h, d = q < h_parts * w, q - h_parts * w  # all h programs, then all down programs
+    u = jnp.where(is_h, lax.div(q, h_parts), lax.div(d, down_per_item))
+    part, d = lax.rem(q, h_parts), lax.rem(d, down_per_item)
 
     @pl.when((pid >= n_gu) & is_h)
     def _():
@@ -1687,9 +1561,7 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
             def _():
                 plgpu.semaphore_signal(sems.at[1, u], 1, memory_scope="gpu")
 
-    is_down = (pid >= n_gu) & ~is_h & (d0 < down_per_item * w)
-
-    @pl.when(is_down)
+    @pl.when((pid >= n_gu) & ~is_h)
     def _():
         nt, split = tile_split(d, nt_down, down["k_splits"])
         if sync:
@@ -1704,45 +1576,14 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
 
         _matmul_program(work_gmem, h_o, down_stacks, hf_o, dn_bias, y_o,
                         stages[1], u=u, nt=nt, split=split, fmt=fmt, **down)
-        if sync and combine is not None:  # each row's token: one more of its rows stored
-            first, count = work_gmem[1, u], work_gmem[2, u]
 
-            @pl.when(count > 0)
-            def _():
-                _proxy_fence()  # the TMA stores completed (wait_smem_to_gmem(0)): visible
-                _signal_tokens(sems.at[2], tok_g, first, count, rows=down["tile"].rows)
-
-    # then a token's combine programs (down_per_item signals a slot): program c of them
-    groups = combine_programs(1, y_o.shape[1])
-    c = d0 - down_per_item * w
-    t, g = lax.div(c, groups), lax.rem(c, groups)
-    if combine is not None:
-        slots = combine["slots"]
-
-        @pl.when((pid >= n_gu) & ~is_h & (c >= 0))
-        def _():
-            if not sync:
-                _combine_jnp(y_o, ids_g, rop_g, wts_g, out_o, t, g, **combine)
-                return
-            routed = sum(((ids_g[t * slots + j] >= 0) & (ids_g[t * slots + j] < combine[
-                "e_all"])).astype(jnp.int32) for j in range(slots))
-            if FUSED_WAIT:
-                plgpu.semaphore_wait(sems.at[2, t], routed * down_per_item, decrement=False,
-                                     memory_scope="gpu")
-            _proxy_fence()
-            if timeline:
-                _stamp(tl_o, pid, 1)
-            _combine_inline(y_o, ids_g, rop_g, wts_g, out_o, t, g, **combine)
-
-    if timeline:  # phase 3: a combine program (its item: its token)
-        phase = jnp.where(pid < n_gu, 0, jnp.where(is_h, 1, jnp.where(is_down, 2, 3)))
-        item = jnp.where(pid < n_gu, lax.div(pid, gu_per_item),
-                         jnp.where(is_h | is_down, u, t))
-        _stamp(tl_o, pid, 2, phase, item)
+    if timeline:
+        phase = jnp.where(pid < n_gu, 0, jnp.where(is_h, 1, 2))
+        _stamp(tl_o, pid, 2, phase, jnp.where(pid < n_gu, lax.div(pid, gu_per_item), u))
 
 
 _MLP_STATIC = ("fmt", "fp8_block", "tiles", "k_splits", "activation", "layout", "limit",
-               "alpha", "out_dtype", "timeline", "interpret")
+               "alpha", "timeline", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_MLP_STATIC)
@@ -1761,8 +1602,6 @@ def slot_mlp(
     extra_down: tuple | None = None,
     gate_up_bias: jax.Array | None = None,  # [E, 2I] (the main stack's)
     down_bias: jax.Array | None = None,  # [E, H]
-    combine: tuple | None = None,  # (expert_ids [T, k] int, row_of_pair [T, k] int, weights
-    #   [T, k] f32, token_of_row [P] int): the launch's output is the k-way combine
     fmt: str | None = None,
     fp8_block: tuple[int, int] | None = None,
     tiles: tuple[SlotTile, SlotTile] = (SlotTile(), SlotTile()),  # (gate_up, down)
@@ -1771,22 +1610,16 @@ def slot_mlp(
     layout: GateUpLayout = GateUpLayout.CONCATENATED,
     limit: float | None = None,
     alpha: float = GPT_OSS_ALPHA,
-    out_dtype=jnp.float32,  # the combine's output dtype (f32, bf16 or f16)
     timeline: bool = False,
     interpret: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``slot_matmul`` (gate_up, x's factors and bias in its epilogue) -> ``rows.h_rows`` ->
     ``slot_matmul`` (down) in one launch: ``[k_splits[1] * R, H]`` f32, the down launch's
-    stacked output (rows no item owns: not written). With ``combine`` (the plan's rows of the
-    pairs and tokens of the rows), ``[T, H]`` ``out_dtype`` instead: ``sum_j weights[t, j] *
-    y[t, j]`` over the pairs with an expert id in ``[0, E + E2)`` (the rest add nothing), in
-    f32 slot by slot, rounded once; its last programs (``combine_programs``: a token's 512
-    columns each), each waiting for its token's rows (``_combine_inline``); at most
-    ``COMBINE_MAX_LOADS`` slots x down's K splits. f16 activations only (FP8, NVFP4,
+    stacked output (rows no item owns: not written). f16 activations only (FP8, NVFP4,
     MXFP4). ``timeline=True`` (compiled only; a profiling aid) also returns ``[programs, 6]``
     int32, each program's ``TIMELINE_COLUMNS``: the low 32 bits of ``%globaltimer`` (ns) at
-    its start, after its wait (its start if it has none) and at its end, its SM, its phase (0
-    gate_up, 1 h, 2 down, 3 combine) and its work item (combine: its token)."""
+    its start, after its wait (its start if it has none) and at its end, its SM, its phase
+    (0 gate_up, 1 h, 2 down) and its work item."""
     if a.ndim != 2 or work.ndim != 2 or work.shape[0] != 3:
         raise ValueError(f"a, work: expected [R, H] and [3, W], got {a.shape}, {work.shape}")
     activation, layout = Activation.coerce(activation), GateUpLayout.coerce(layout)
@@ -1815,26 +1648,6 @@ def slot_mlp(
     if a_factor.shape != (rows,) or a_factor.dtype != jnp.float32:
         raise ValueError(f"a_factor: expected [{rows}] float32, got {a_factor.shape} "
                          f"{a_factor.dtype}")
-    comb, comb_arrays, comb_out = None, [], []
-    if combine is not None:
-        ids, rop, wts, tok = combine
-        t, slots = ids.shape
-        if rop.shape != (t, slots) or wts.shape != (t, slots) or tok.ndim != 1:
-            raise ValueError(f"combine: expected ids, row_of_pair, weights [T, k] and "
-                             f"token_of_row [P], got {ids.shape}, {rop.shape}, {wts.shape}, "
-                             f"{tok.shape}")
-        if jnp.dtype(out_dtype) not in _BIAS_TYPES:
-            raise ValueError(f"out_dtype: f32, bf16 or f16, got {out_dtype}")
-        if hidden % 4:
-            raise ValueError(f"combine: H = {hidden} must be a multiple of 4")
-        if slots * k_splits[1] > COMBINE_MAX_LOADS:
-            raise ValueError(f"combine: {slots} slots x {k_splits[1]} K splits of down, past "
-                             f"COMBINE_MAX_LOADS = {COMBINE_MAX_LOADS} loads a thread")
-        e_all = gate_up.shape[0] + (0 if extra_gate_up is None else extra_gate_up[0].shape[0])
-        comb = dict(slots=slots, e_all=e_all, splits=k_splits[1], rows=rows)
-        comb_arrays = [ids.reshape(-1).astype(jnp.int32), rop.reshape(-1).astype(jnp.int32),
-                       wts.reshape(-1).astype(jnp.float32), tok.astype(jnp.int32)]
-        comb_out = [jax.ShapeDtypeStruct((t, hidden), out_dtype)]
     biases = []
     for name, b, n in (("gate_up_bias", gate_up_bias, two_i), ("down_bias", down_bias, hidden)):
         if b is not None:
@@ -1846,7 +1659,6 @@ def slot_mlp(
     h_cols = num_k_steps(inter, tiles[1]) * tiles[1].block_k if interpret else inter
     splits_gu, splits_down = k_splits
     programs = work.shape[1] * sum(_fused_programs(two_i, hidden, k_splits, tiles[0].rows))
-    programs += 0 if combine is None else combine_programs(combine[0].shape[0], hidden)
     scratch = [_w_stage(t, jnp.float16) for t in tiles] if interpret else []
     kernel = plgpu.kernel(
         functools.partial(
@@ -1859,11 +1671,11 @@ def slot_mlp(
                       k=inter, k_splits=splits_down),
             h_program=dict(splits=splits_gu, rows=rows, layout=layout, activation=activation,
                            limit=limit, alpha=alpha,
-                           block_k=tiles[1].block_k if fp4 else None), combine=comb),
+                           block_k=tiles[1].block_k if fp4 else None)),
         out_type=(jax.ShapeDtypeStruct((splits_gu * rows, two_i), jnp.float32),
                   jax.ShapeDtypeStruct((rows, h_cols), jnp.float16),
                   jax.ShapeDtypeStruct((rows,), jnp.float32),
-                  jax.ShapeDtypeStruct((splits_down * rows, hidden), jnp.float32), *comb_out)
+                  jax.ShapeDtypeStruct((splits_down * rows, hidden), jnp.float32))
         + ((jax.ShapeDtypeStruct((programs, len(TIMELINE_COLUMNS)), jnp.int32),) if timeline
            else ()),
         grid=(programs,),
@@ -1873,10 +1685,7 @@ def slot_mlp(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    _, _, _, y, *tl = kernel(work, gu_pad(a), a_factor, *gu_ops, *down_ops, *biases,
-                             *comb_arrays)
-    if combine is not None:
-        y, *tl = tl
+    _, _, _, y, *tl = kernel(work, gu_pad(a), a_factor, *gu_ops, *down_ops, *biases)
     return (y, tl[0]) if timeline else y
 
 
@@ -1910,7 +1719,7 @@ def work_items(plan: DecodePlan, num_experts: int, item_rows: int = ROWS) -> jax
 
 
 _MOSAIC_STATIC = ("fmt", "activation", "gate_up_layout", "limit", "alpha", "block_size", "tile",
-                  "k_splits", "fused", "out_dtype", "timeline", "interpret")
+                  "k_splits", "fused", "timeline", "interpret")
 _FMT_NAMES = {WeightFormat.BF16: "bf16", WeightFormat.FP8_BLOCK: "fp8",
               WeightFormat.NVFP4: "nvfp4", WeightFormat.MXFP4: "mxfp4"}
 
@@ -1959,8 +1768,6 @@ def moe_decode_mosaic_pairs(
     timeline: bool = False,  # the one launch only: also its programs' clock stamps (slot_mlp)
     interpret: bool = False,
     extra: ExtraExperts | None = None,  # a second stack: expert ids E .. E + E2 - 1
-    combine_weights: jax.Array | None = None,  # [T, k] f32: return the k-way combine
-    out_dtype=jnp.float32,  # the combine's dtype
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Routed expert outputs of each (token, slot) pair ``[T, k, H]`` f32 (zero experts: 0),
     as ``kernel.moe_decode_pairs``, through the Mosaic GPU launches (module docstring); h
@@ -1968,9 +1775,7 @@ def moe_decode_mosaic_pairs(
     format and per-expert shapes, no biases. ``tile`` (``SlotTile`` of each launch: K step,
     stages) and ``k_splits`` (``slot_matmul``'s, per launch; "auto": ``choose_k_splits``)
     default to the settings timed on the H200. ``timeline=True`` (with the one launch, compiled;
-    a profiling aid) returns ``(pairs, slot_mlp's timeline)``. With ``combine_weights``: their
-    combine ``[T, H]`` ``out_dtype`` (``combine_pairs``), on the one launch where
-    ``FUSED_COMBINE`` is set (``slot_mlp(combine=)``), else by XLA from the pairs."""
+    a profiling aid) returns ``(pairs, slot_mlp's timeline)``."""
     activation = Activation.coerce(activation)
     layout = GateUpLayout.coerce(gate_up_layout)
     if activation is Activation.GPT_OSS and limit is None:
@@ -1994,9 +1799,6 @@ def moe_decode_mosaic_pairs(
                                   "not BF16 weights")
     if timeline and not fused:
         raise ValueError("timeline: stamps come from the one launch (fused=True)")
-    if combine_weights is not None and combine_weights.shape != expert_ids.shape:
-        raise ValueError(f"combine_weights: expected {expert_ids.shape} (expert_ids'), got "
-                         f"{combine_weights.shape}")
     e_all = e
     if extra is not None:
         if not isinstance(extra, ExtraExperts):
@@ -2062,25 +1864,15 @@ def moe_decode_mosaic_pairs(
         a, factor = x16 or x_rows(x, plan.token_of_row, rows, block_k=order(tile[0]),
                                   interpret=interpret)
         if fused:  # gate_up, h and down in one launch
-            in_launch = (combine_weights is not None and FUSED_COMBINE
-                         and expert_ids.shape[1] * k_splits[1] <= COMBINE_MAX_LOADS)
             y = slot_mlp(work, a, factor, gate_up, down, gate_up_scale, down_scale,
                          gate_up_global_scale, down_global_scale, extra_gate_up=xs,
                          extra_down=xd, gate_up_bias=gate_up_bias, down_bias=down_bias,
-                         combine=(expert_ids, plan.row_of_pair, combine_weights,
-                                  plan.token_of_row) if in_launch else None,
                          fmt=fmt, fp8_block=fp8_block, tiles=tuple(tile),
                          k_splits=tuple(k_splits), activation=activation, layout=layout,
-                         limit=limit, alpha=alpha, out_dtype=out_dtype, timeline=timeline,
-                         interpret=interpret)
+                         limit=limit, alpha=alpha, timeline=timeline, interpret=interpret)
             y, stamps = y if timeline else (y, None)
-            if in_launch:
-                out = y
-            else:
-                out = pairs_of(y.reshape(k_splits[1], rows, hidden), plan)
-                if combine_weights is not None:
-                    out = combine_pairs(out, combine_weights, out_dtype)
-            return (out, stamps) if timeline else out
+            pairs = pairs_of(y.reshape(k_splits[1], rows, hidden), plan)
+            return (pairs, stamps) if timeline else pairs
         gu = launch(a, factor, gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, xs,
                     tile[0], k_splits[0])  # [S * R, 2I]
         h, factor = h_rows(gu, splits=k_splits[0], activation=activation, layout=layout,
@@ -2088,6 +1880,5 @@ def moe_decode_mosaic_pairs(
                            interpret=interpret)
     y = launch(h, factor, down, down_scale, down_global_scale, down_bias, xd, tile[1],
                k_splits[1]).reshape(k_splits[1], rows, hidden)  # [S, R, H]
-    pairs = pairs_of(y, plan)
-    return pairs if combine_weights is None else combine_pairs(pairs, combine_weights, out_dtype)
+    return pairs_of(y, plan)
 
