@@ -118,7 +118,8 @@ NUM_STAGES = 3  # TMA stages in flight: FP8 43 / 36 / 30 KB of SMEM a CTA at win
 NUM_STAGES_LONG = 4  # the same for K of at least LONG_K_STEPS steps of <= 128 (H200: NOTES)
 LONG_K_STEPS = 20  # gpt-oss's 23 steps of 128 take 4 stages; Qwen3's 16 (gate_up) 3
 NUM_STAGES_WIDE = 2  # the same for FP4 steps of 192 / 256 (20 / 16 / 12 KB a stage at 256 and
-#   windows of 24 / 16 / 8; H200, at 24: NOTES)
+#   windows of 24 / 16 / 8; H200, at 24: NOTES; 3 at windows of 8 / 16: Qwen3 NVFP4 8 / 32
+#   tokens +7% / +10% busy, MXFP4 +2.5% / +4%, session 30)
 FP4_PARTS = 2  # wgmmas an FP4 K step of 256 is dotted in (1, 2 or 4; compiled only; 4: fewer
 #   registers, one more CTA an SM, yet +2.5-3% on Qwen3 NVFP4 on the H200: NOTES, session 28)
 EPILOGUE_LOADS_AHEAD = True  # the epilogue's row factors and bias loaded before the K steps
