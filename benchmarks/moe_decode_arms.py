@@ -57,11 +57,19 @@ def parse_arm(text: str) -> dict[tuple[str, str], object]:
     return out
 
 
-def set_constants(text: str) -> None:
-    """Set the constants of one arm (``parse_arm``) for the rest of the process: the ``--set``
-    of the one-off tools (``moe_decode_hlo.py``, ``moe_decode_mosaic.py``)."""
-    for (module, attr), v in parse_arm(text).items():
+def set_constants(values: dict[tuple[str, str], object]) -> None:
+    """Set ``parse_arm``'s constants: each arm's in turn here, and the ``--set`` of the one-off
+    tools (``moe_decode_hlo.py``, ``moe_decode_mosaic.py``) for the rest of the process."""
+    for (module, attr), v in values.items():
         setattr(MODULES[module], attr, v)
+
+
+def arm_argument(text: str) -> dict[tuple[str, str], object]:
+    """``--set``'s argparse type: ``parse_arm``, its errors as argparse's (exit 2)."""
+    try:
+        return parse_arm(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def run_arms(shape: str, formats, token_counts, arms: list[str], *, repeats: int, loops: int,
@@ -80,8 +88,7 @@ def run_arms(shape: str, formats, token_counts, arms: list[str], *, repeats: int
                 _, nbytes = md.step_bytes(p, xs, per_expert, shared)
                 for r in range(repeats):
                     for text, values in zip(arms, parsed, strict=True):
-                        for (module, attr), v in (code | values).items():
-                            setattr(MODULES[module], attr, v)
+                        set_constants(code | values)
                         jax.clear_caches()
                         row = dict(shape=shape, format=fmt, tokens=tokens, arm=text or "code",
                                    round=r)
@@ -100,8 +107,7 @@ def run_arms(shape: str, formats, token_counts, arms: list[str], *, repeats: int
                         print(table([row], COLUMNS), flush=True)
             del p
     finally:  # the code's values back
-        for (module, attr), v in code.items():
-            setattr(MODULES[module], attr, v)
+        set_constants(code)
     return rows
 
 

@@ -37,7 +37,7 @@ from benchmarks._common import (  # noqa: E402
     time_jax,
 )
 from benchmarks.moe_decode import FORMATS, PALLAS, make_layer, token_sets  # noqa: E402
-from benchmarks.moe_decode_arms import set_constants  # noqa: E402
+from benchmarks.moe_decode_arms import arm_argument, set_constants  # noqa: E402
 
 
 def entry_ops(hlo: str) -> collections.Counter:
@@ -105,13 +105,10 @@ def main() -> None:
                         help="GPU time of each kernel per step (needs torch)")
     parser.add_argument("--timeline", action="store_true",
                         help="where a step's time goes between launches (needs torch)")
-    parser.add_argument("--set", default="", metavar="ARM",
+    parser.add_argument("--set", type=arm_argument, default="", metavar="ARM",
                         help="constants to set first, as one arm of moe_decode_arms.py")
     args = parser.parse_args()
-    try:
-        set_constants(args.set)
-    except ValueError as err:
-        parser.error(str(err))
+    set_constants(args.set)
     p = make_layer(args.shape, args.format)
     step = jax.jit(aj.moe_forward, static_argnames="kernels")
     for t in args.tokens:

@@ -45,7 +45,7 @@ from benchmarks._common import (  # noqa: E402
     time_scan,
 )
 from benchmarks.moe_decode import SHAPES, make_layer, rel_err  # noqa: E402
-from benchmarks.moe_decode_arms import set_constants  # noqa: E402
+from benchmarks.moe_decode_arms import arm_argument, set_constants  # noqa: E402
 from pallas_kernels.moe_decode import moe_decode, moe_decode_pairs_reference  # noqa: E402
 from pallas_kernels.moe_decode.mosaic import (  # noqa: E402
     choose_item_rows,
@@ -234,14 +234,11 @@ def main() -> None:
                         help="print each variant's kernels with their GPU time")
     parser.add_argument("--timeline", action="store_true",
                         help="the one launch's per-program clock stamps, summarized; no timing")
-    parser.add_argument("--set", default="", metavar="ARM",
+    parser.add_argument("--set", type=arm_argument, default="", metavar="ARM",
                         help="constants to set first, as one arm of moe_decode_arms.py")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    try:
-        set_constants(args.set)
-    except ValueError as err:
-        parser.error(str(err))
+    set_constants(args.set)
     print(f"{datetime.date.today()} {jax.devices()[0].device_kind}", flush=True)
     if args.timeline:
         text = timelines(args.shapes, args.formats, args.tokens)

@@ -281,14 +281,14 @@ def test_arms_are_checked():
 
 def test_set_constants_sets_them(monkeypatch):
     """``--set`` of the one-off tools: one arm's constants, set (here undone by monkeypatch)."""
-    from benchmarks.moe_decode_arms import set_constants
+    from benchmarks.moe_decode_arms import arm_argument, set_constants
     from pallas_kernels.moe_decode import mosaic, rows
 
     monkeypatch.setattr(mosaic, "FP4_PARTS", mosaic.FP4_PARTS)
     monkeypatch.setattr(rows, "PLAN_X_ROWS_MAX_PAIRS", rows.PLAN_X_ROWS_MAX_PAIRS)
-    set_constants("FP4_PARTS=4 rows.PLAN_X_ROWS_MAX_PAIRS=7")
+    set_constants(arm_argument("FP4_PARTS=4 rows.PLAN_X_ROWS_MAX_PAIRS=7"))
     assert mosaic.FP4_PARTS == 4 and rows.PLAN_X_ROWS_MAX_PAIRS == 7
-    set_constants("")
+    set_constants(arm_argument(""))
     assert mosaic.FP4_PARTS == 4
 
 
