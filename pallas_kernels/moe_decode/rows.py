@@ -38,9 +38,12 @@ from pallas_kernels.moe_decode.kernel import (
     _pair_rows,
     _plan_call,
     _plan_kernel,
+    _plan_keys,
     _radix_plan_kernel,
+    num_items,
 )
 from pallas_kernels.paged_attention.decode import _pow2_row_scales
+from pallas_kernels.routing.kernel import route_rows, store_routing
 
 
 def operand_source(pos, block_k: int):
@@ -224,3 +227,216 @@ def rows_reference(v: jax.Array, block_k: int | None = None) -> tuple[jax.Array,
     if block_k is not None:
         v = permute_fp4_activations(v, SlotTile(block_k=block_k))
     return (v * up[:, None]).astype(jnp.float16), down
+
+
+# ---------------------------------------------------------------------------------------------
+# The front of a few-token decode step in one launch: router logits, routing, plan, x's rows.
+# ---------------------------------------------------------------------------------------------
+
+# Router outputs and K columns of one logits program's block ([T8, FRONT_OUTPUTS, FRONT_SUB]
+# f32 products a step, summed over its K chunk), and the most logits programs (K chunks x
+# output chunks) a launch takes.
+FRONT_OUTPUTS = 16
+FRONT_SUB = 16
+FRONT_LOGITS_PROGRAMS = 64
+FRONT_WARPS = 1  # the router's selection rounds stay warp shuffles (routing.kernel.NUM_WARPS)
+# ``route_plan_x_rows``' router dtypes: the logits are rounded to them, as ``router_logits``
+FRONT_LOGITS_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def front_logits_split(outputs: int, hidden: int) -> tuple[int, int, int]:
+    """(output chunks, K chunks, K columns a chunk: a multiple of ``FRONT_SUB``) of the front
+    launch's logits programs: as many K chunks as keep the programs within
+    ``FRONT_LOGITS_PROGRAMS``."""
+    n_e = pl.cdiv(outputs, FRONT_OUTPUTS)
+    n_k = max(1, min(FRONT_LOGITS_PROGRAMS // n_e, pl.cdiv(hidden, FRONT_SUB)))
+    kc = pl.cdiv(pl.cdiv(hidden, n_k), FRONT_SUB) * FRONT_SUB
+    return n_e, pl.cdiv(hidden, kc), kc
+
+
+def _front_logits(xr_ref, w_ref, part_ref, c, q, *, t: int, t8: int, outputs: int,
+                  hidden: int, kc: int, n_out: int):
+    """Logits program (c, q): ``x . w`` of every token and router outputs ``[c * 16, (c + 1)
+    * 16)`` over K chunk q (f32 products of the router-dtype operands, as ``router_logits``),
+    stored as partial ``q``: ``part[q, token, output]``."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, (t8, 1, 1), 0)
+    outs = c * FRONT_OUTPUTS + jax.lax.broadcasted_iota(jnp.int32, (1, FRONT_OUTPUTS, 1), 1)
+    sub = jax.lax.broadcasted_iota(jnp.int32, (1, 1, FRONT_SUB), 2)
+    end = jnp.minimum((q + 1) * kc, hidden)
+
+    def step(i, acc):
+        cols = q * kc + i * FRONT_SUB + sub
+        xm, wm = (rows < t) & (cols < end), (outs < outputs) & (cols < end)
+        xv = plgpu.load(xr_ref.at[jnp.where(xm, rows * hidden + cols, 0)], mask=xm, other=0.0)
+        wv = plgpu.load(w_ref.at[jnp.where(wm, outs * hidden + cols, 0)], mask=wm, other=0.0)
+        return acc + xv.astype(jnp.float32) * wv.astype(jnp.float32)
+
+    acc = jax.lax.fori_loop(0, kc // FRONT_SUB, step,
+                            jnp.zeros((t8, FRONT_OUTPUTS, FRONT_SUB), jnp.float32))
+    r2 = jax.lax.broadcasted_iota(jnp.int32, (t8, FRONT_OUTPUTS), 0)
+    o2 = c * FRONT_OUTPUTS + jax.lax.broadcasted_iota(jnp.int32, (t8, FRONT_OUTPUTS), 1)
+    plgpu.store(part_ref.at[(q * t8 + r2) * n_out + o2], jnp.sum(acc, axis=2))
+
+
+def _index(i: int):
+    """A scalar int32 index of an atomic (a traced value: the interpreter's rule needs one)."""
+    return jnp.full((), i, jnp.int32)
+
+
+def _front_kernel(xr_ref, w_ref, *refs, t: int, k: int, outputs: int, hidden: int,
+                  num_experts: int, fold: bool, rule, logits_dtype, router_bias: bool,
+                  selection_bias: bool, expert_scale: bool, item_rows: int,
+                  block_k: int | None, interpret: bool):
+    """Programs ``[0, G)``: logits programs (``_front_logits``), then a ticket; the last
+    one sums the partials (a fixed order), routes every token, stores the plan's pair ids
+    and the plan (``kernel._plan_kernel`` / ``_radix_plan_kernel``), then raises the flag.
+    Programs ``G + r``: wait for the flag, then x's row of sorted row r (``x_rows``)."""
+    refs = list(refs)
+    rbias_ref = refs.pop(0) if router_bias else None
+    sbias_ref = refs.pop(0) if selection_bias else None
+    scale_ref = refs.pop(0) if expert_scale else None
+    xe_ref, _sync_in, part_ref, ids_ref, weights_ref, pids_ref, work_ref, tor_ref, rop_ref, \
+        items_ref, rows_ref, factor_ref, sync_ref = refs
+    n_e, n_k, kc = front_logits_split(outputs, hidden)
+    g = n_e * n_k
+    t8 = max(8, pl.next_power_of_2(t))
+    n_out = pl.next_power_of_2(outputs)
+    kp = k + fold  # the plan's pairs a token
+    p = t * kp
+    pid = pl.program_id(0)
+
+    def sync():
+        if not interpret:
+            plgpu.debug_barrier()
+
+    @pl.when(pid < g)
+    def _():
+        _front_logits(xr_ref, w_ref, part_ref, jax.lax.rem(pid, jnp.int32(n_e)), pid // n_e,
+                      t=t, t8=t8, outputs=outputs, hidden=hidden, kc=kc, n_out=n_out)
+        sync()  # every thread's partials written before the ticket's release
+        ticket = plgpu.atomic_add(sync_ref, _index(0), jnp.int32(1))
+
+        @pl.when(ticket == g - 1)
+        def _():
+            sync()
+            r2 = jax.lax.broadcasted_iota(jnp.int32, (t8, n_out), 0)
+            o2 = jax.lax.broadcasted_iota(jnp.int32, (t8, n_out), 1)
+            valid = (r2 < t) & (o2 < outputs)
+            at = jnp.where(valid, r2 * n_out + o2, 0)
+            logits = plgpu.load(part_ref.at[at], mask=valid, other=0.0, volatile=True)
+            for q in range(1, n_k):
+                logits = logits + plgpu.load(part_ref.at[q * t8 * n_out + at], mask=valid,
+                                             other=0.0, volatile=True)
+            if rbias_ref is not None:
+                logits = logits + plgpu.load(rbias_ref.at[jnp.where(valid, o2, 0)],
+                                             mask=valid, other=0.0)
+            if logits_dtype == jnp.bfloat16:
+                logits = _round_to_bf16(logits)
+            ids, w, chosen = route_rows(logits, valid, rule, outputs, sbias_ref, scale_ref)
+            rows = jax.lax.broadcasted_iota(jnp.int32, (t8, 1), 0)
+            store_routing(ids_ref, weights_ref, rows, ids, w, chosen, t, k)
+            kcols = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 1)
+            pair = chosen & (rows < t)
+            plan_id = ids
+            if fold:  # zero experts past the extra stack's id; the extra expert last
+                routed = (ids >= 0) & (ids < num_experts - 1)
+                plan_id = jnp.where(routed, ids, num_experts)
+                first = (kcols == 0) & (rows < t)
+                plgpu.store(pids_ref.at[jnp.where(first, rows * kp + k, p)],
+                            jnp.full(ids.shape, num_experts - 1, jnp.int32), mask=first)
+            plgpu.store(pids_ref.at[jnp.where(pair, rows * kp + kcols, p)], plan_id, mask=pair)
+            sync()
+            plan = (_plan_kernel if p <= PALLAS_PLAN_MAX_PAIRS else
+                    functools.partial(_radix_plan_kernel, barrier=not interpret))
+            plan(pids_ref, work_ref, tor_ref, rop_ref, items_ref, p=p, k=kp,
+                 num_experts=num_experts, item_rows=item_rows)
+            sync()  # the plan written before the flag's release
+            plgpu.atomic_add(sync_ref, _index(1), jnp.int32(1))
+
+    @pl.when(pid >= g)
+    def _():
+        r = pid - g
+        if not interpret:  # the interpreter runs the programs in order: the flag is up
+            jax.lax.while_loop(lambda flag: flag == 0,
+                               lambda _: plgpu.atomic_add(sync_ref, _index(1), jnp.int32(0)),
+                               jnp.int32(0))
+        token = plgpu.load(tor_ref.at[jnp.minimum(r, p - 1)], volatile=True)
+        _store_x_row(xe_ref, rows_ref, factor_ref, r, jnp.where(r < p, token, 0), block_k)
+
+
+def route_plan_x_rows(x_router: jax.Array, router_w: jax.Array, x: jax.Array, rule, *,
+                      num_experts: int, rows: int, item_rows: int, fold: bool = False,
+                      router_bias: jax.Array | None = None,
+                      selection_bias: jax.Array | None = None,
+                      expert_scale: jax.Array | None = None, block_k: int | None = None,
+                      interpret: bool = False):
+    """The front of a decode step of up to ``PLAN_X_ROWS_MAX_PAIRS`` pairs in one launch:
+    router logits ``x_router [T, H] . router_w [O, H]^T`` (+ ``router_bias``; the operands in
+    the router's dtype, bf16 or f32, f32 products and sums, rounded to that dtype as
+    ``moe.routing.router_logits``), the routing under ``rule`` (``routing.route``), the plan
+    of its ids (``fold``: each token's pairs end with the extra stack's expert
+    ``num_experts - 1``, zero experts after it, as ``moe.experts.routed_experts_decode``) and
+    ``x_rows(x, plan.token_of_row, rows, block_k=)``. Returns ``(ids [T, k], weights [T, k],
+    plan, (rows f16, factors))``.
+
+    One launch of ``G + rows`` programs: ``G`` logits programs each sum a block of tokens x
+    ``FRONT_OUTPUTS`` outputs over a chunk of K; the last to finish (a ticket, an atomic
+    counter) routes, plans, and raises a flag that the row programs wait on (spinning: every
+    program of the launch must be resident at once, a few hundred single-warp programs). The
+    counter and the flag come zeroed from XLA (a memset)."""
+    t, hidden = x_router.shape
+    outputs = router_w.shape[0]
+    if router_w.shape != (outputs, hidden) or x.shape[0] != t:
+        raise ValueError(f"route_plan_x_rows: x_router {x_router.shape}, router_w "
+                         f"{router_w.shape}, x {x.shape}: expected [T, H], [O, H], [T, H']")
+    dtype = jnp.dtype(x_router.dtype)
+    if dtype not in FRONT_LOGITS_DTYPES or router_w.dtype != dtype:
+        raise ValueError(f"route_plan_x_rows: router operands {x_router.dtype} / "
+                         f"{router_w.dtype}: expected both bf16 or both f32")
+    rule.check(outputs)
+    kp = rule.k + fold
+    p = t * kp
+    if p > PLAN_X_ROWS_MAX_PAIRS:
+        raise ValueError(f"route_plan_x_rows: {p} pairs, at most {PLAN_X_ROWS_MAX_PAIRS}")
+    if rows < p:
+        raise ValueError(f"route_plan_x_rows: {rows} rows for {p} pairs")
+    n_e, n_k, _ = front_logits_split(outputs, hidden)
+    t8 = max(8, pl.next_power_of_2(t))
+    slots = min(num_experts, p)
+    extra = [v.astype(jnp.float32) for v in (router_bias, selection_bias, expert_scale)
+             if v is not None]
+    for name, v in (("router_bias", router_bias), ("selection_bias", selection_bias),
+                    ("expert_scale", expert_scale)):
+        if v is not None and v.shape != (outputs,):
+            raise ValueError(f"route_plan_x_rows: {name}: expected ({outputs},), got {v.shape}")
+    i32 = jnp.int32
+    out_shape = [
+        jax.ShapeDtypeStruct((n_k * t8 * pl.next_power_of_2(outputs),), jnp.float32),
+        jax.ShapeDtypeStruct((t * rule.k,), i32), jax.ShapeDtypeStruct((t * rule.k,), jnp.float32),
+        jax.ShapeDtypeStruct((p,), i32),  # the plan's pair ids
+        jax.ShapeDtypeStruct((3, slots), i32), jax.ShapeDtypeStruct((p,), i32),
+        jax.ShapeDtypeStruct((p,), i32),
+        jax.ShapeDtypeStruct((3, num_items(slots, p, item_rows)), i32),
+        jax.ShapeDtypeStruct((rows, x.shape[1]), jnp.float16),
+        jax.ShapeDtypeStruct((rows,), jnp.float32),
+        jax.ShapeDtypeStruct((2,), i32),  # ticket counter, flag
+    ]
+    inputs = (x_router.reshape(-1), router_w.reshape(-1), *extra, x, jnp.zeros((2,), i32))
+    kernel = functools.partial(
+        _front_kernel, t=t, k=rule.k, outputs=outputs, hidden=hidden,
+        num_experts=num_experts, fold=fold, rule=rule, logits_dtype=dtype,
+        router_bias=router_bias is not None, selection_bias=selection_bias is not None,
+        expert_scale=expert_scale is not None, item_rows=item_rows, block_k=block_k,
+        interpret=interpret)
+    res = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(n_e * n_k + rows,),
+        input_output_aliases={len(inputs) - 1: len(out_shape) - 1},
+        compiler_params=plgpu.CompilerParams(num_warps=FRONT_WARPS, num_stages=1),
+        interpret=interpret, name="moe_decode_front",
+    )(*inputs)
+    _, ids, weights, pids, work, token_of_row, row_of_pair, items, a, factor, _ = res
+    plan = DecodePlan(work=work, token_of_row=token_of_row,
+                      row_of_pair=row_of_pair.reshape(t, kp),
+                      routed=_plan_keys(pids, num_experts)[1].reshape(t, kp),
+                      items=items)
+    return ids.reshape(t, rule.k), weights.reshape(t, rule.k), plan, (a, factor)
