@@ -92,15 +92,21 @@ def _group_mask(choice, valid, cols, rule: RouterRule, e: int):
     return kept
 
 
-def route_rows(logits, valid, rule: RouterRule, e: int, bias_ref=None, scale_ref=None):
-    """A block of router logits ``[B, N]`` f32 (``valid``: ``[B, N]``, the real tokens' first
-    ``e`` columns) -> (ids ``[B, kp]`` int32, weights ``[B, kp]`` f32, chosen ``[B, kp]``:
-    the first ``k`` columns), ``kp = next_power_of_2(k)``; ``bias_ref`` ``[E]`` f32 the
-    selection bias, ``scale_ref`` ``[E]`` f32 the per-expert weight scale (or None)."""
-    block, n = logits.shape
+def _router_kernel(logits_ref, *refs, t: int, e: int, rule: RouterRule, block: int,
+                   bias: bool, expert_scale: bool):
+    # logits_ref: [T * E] f32; bias_ref: [E] f32; scale_ref: [E] f32;
+    # ids_ref: [T * k] int32; weights_ref: [T * k] f32
+    refs = list(refs)
+    bias_ref = refs.pop(0) if bias else None
+    scale_ref = refs.pop(0) if expert_scale else None
+    ids_ref, weights_ref = refs
     k = rule.k
-    kp = pl.next_power_of_2(k)
+    n, kp = pl.next_power_of_2(e), pl.next_power_of_2(k)
+    rows = pl.program_id(0) * block + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (block, n), 1)
+    valid = (cols < e) & (rows < t)  # [B, N]
+    logits = plgpu.load(logits_ref.at[jnp.where(valid, rows * e + cols, 0)], mask=valid,
+                        other=0.0)
     s = _scores(logits, valid, rule.scoring)
     choice, on_scores = s, bias_ref is None and rule.n_group == 1  # selecting on s itself
     if bias_ref is not None:
@@ -127,34 +133,10 @@ def route_rows(logits, valid, rule: RouterRule, e: int, bias_ref=None, scale_ref
     if scale_ref is not None:
         at = jnp.minimum(ids, scale_ref.shape[0] - 1)
         w = w * plgpu.load(scale_ref.at[at], mask=chosen, other=1.0)
-    return ids, w, chosen
-
-
-def store_routing(ids_ref, weights_ref, rows, ids, w, chosen, t: int, k: int):
-    """Rows ``rows [B, 1]`` of the flat ``[T * k]`` outputs, ``route_rows``' results."""
-    kcols = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 1)
     out = chosen & (rows < t)
     at = jnp.where(out, rows * k + kcols, t * k)  # masked lanes past the end (interpret mode)
     plgpu.store(ids_ref.at[at], ids, mask=out)
     plgpu.store(weights_ref.at[at], w, mask=out)
-
-
-def _router_kernel(logits_ref, *refs, t: int, e: int, rule: RouterRule, block: int,
-                   bias: bool, expert_scale: bool):
-    # logits_ref: [T * E] f32; bias_ref: [E] f32; scale_ref: [E] f32;
-    # ids_ref: [T * k] int32; weights_ref: [T * k] f32
-    refs = list(refs)
-    bias_ref = refs.pop(0) if bias else None
-    scale_ref = refs.pop(0) if expert_scale else None
-    ids_ref, weights_ref = refs
-    n = pl.next_power_of_2(e)
-    rows = pl.program_id(0) * block + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, (block, n), 1)
-    valid = (cols < e) & (rows < t)  # [B, N]
-    logits = plgpu.load(logits_ref.at[jnp.where(valid, rows * e + cols, 0)], mask=valid,
-                        other=0.0)
-    ids, w, chosen = route_rows(logits, valid, rule, e, bias_ref, scale_ref)
-    store_routing(ids_ref, weights_ref, rows, ids, w, chosen, t, rule.k)
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "interpret"))
