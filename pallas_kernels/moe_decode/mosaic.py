@@ -132,8 +132,9 @@ BLOCK_N = 64  # weight rows a program (the wgmma's M)
 # rows at 2-8 tokens (windows of 8; BF16 16), of 16 from 9 (windows of 16). H200, windows of
 # 24 -> 16: Qwen3 FP8 / NVFP4 / MXFP4 8 tokens 87.0 -> 84.5 / 70.9 -> 64.5 / 76.5 -> 67.9 us
 # (NOTES, session 25); 16 -> 8: NOTES, session 27. MIN_ITEM_ROWS: the fewest rows an item is
-# cut to (a wider window at 1 token).
+# cut to (a wider window at 1 token). SMALL_ITEM_TOKENS: the most tokens of 8-row items.
 MIN_ITEM_ROWS = 1
+SMALL_ITEM_TOKENS = 8
 
 
 def window(rows: int) -> int:
@@ -146,15 +147,15 @@ def window(rows: int) -> int:
 
 def choose_item_rows(tokens: int, fmt: str | None = None) -> int:
     """Pure heuristic: the rows work items are cut to at ``tokens`` tokens: 1 at 1 token (at
-    least ``MIN_ITEM_ROWS``), aligned items (``kernel.cut_base``) of 8 rows at 2-8 tokens (16
-    for BF16 ``fmt``) and of 16 from 9. An expert's rows (at most T under top-k routing) are
-    one item unless they cross a cut: with 8-row items that is ~1 of 54 experts at 8 tokens
-    (Qwen3-30B-A3B; its weights read twice) for windows of 8 rows in place of 16, which pays
-    where activations are a large share of a program's bytes (FP8, FP4: NOTES, session 27);
-    16-row items cut only slots of 10 rows or more."""
+    least ``MIN_ITEM_ROWS``), aligned items (``kernel.cut_base``) of 8 rows at 2 to
+    ``SMALL_ITEM_TOKENS`` (8) tokens (16 for BF16 ``fmt``) and of 16 from 9. An expert's rows
+    (at most T under top-k routing) are one item unless they cross a cut: with 8-row items
+    that is ~1 of 54 experts at 8 tokens (Qwen3-30B-A3B; its weights read twice) for windows
+    of 8 rows in place of 16, which pays where activations are a large share of a program's
+    bytes (FP8, FP4: NOTES, session 27); 16-row items cut only slots of 10 rows or more."""
     if tokens <= 1:
         return max(MIN_ITEM_ROWS, 1)
-    return 8 if tokens <= 8 and fmt != "bf16" else ROWS
+    return 8 if tokens <= SMALL_ITEM_TOKENS and fmt != "bf16" else ROWS
 
 
 @dataclasses.dataclass(frozen=True)
