@@ -131,7 +131,7 @@ def bench(shapes, formats, token_counts, stages, *, hbm: float, profile: bool = 
                            MB=nbytes / 1e6)
                 variants = {"triton": _steps(fmt, static)[0]}
                 for s, splits in itertools.product(stages, k_splits):
-                    r = choose_item_rows(tokens, fmt)
+                    r = choose_item_rows(tokens, fmt, tokens * cfg.top_k / cfg.num_experts)
                     tiles = (choose_slot_tile(cfg.hidden_size, s, fmt, rows=r),
                              choose_slot_tile(cfg.intermediate_size, s, fmt, rows=r))
                     name = f"mosaic_s{s}" + ("" if splits == "auto" else
@@ -200,7 +200,7 @@ def timelines(shapes, formats, token_counts, calls: int = 4) -> str:
                 for j in range(calls):
                     x, ids, _ = xs[j % len(xs)]
                     _, stamps = step(arrays, x, ids)
-                rows = choose_item_rows(tokens, fmt)
+                rows = choose_item_rows(tokens, fmt, tokens * cfg.top_k / cfg.num_experts)
                 text = (f"{shape} {fmt} {tokens} tokens, items of {rows} rows\n\n"
                         + timeline_summary(np.asarray(stamps)))
                 print(text + "\n", flush=True)

@@ -257,12 +257,20 @@ def test_compiled_slot_matmul_small_windows(item_rows, fmt, k, k_splits):
 
 
 def test_item_rows_and_windows():
-    """Items of 1 row at 1 token, aligned items of 8 rows at 2-8 tokens (BF16: 16) and 16 from
-    9, read in windows of 8 (1 and 8 rows), 16 (2-7, 9, 16 rows), 24 (10-15) from an 8-aligned
-    row; a ``SlotTile``'s rows in [1, 16]."""
-    assert [choose_item_rows(t) for t in (1, 2, 3, 8, 9, 16, 64)] == [1, 8, 8, 8, 16, 16, 16]
+    """Items of 1 row at 1 token, aligned items of 8 rows at 2-8 tokens, blocks of 8 at 9-32
+    (``BLOCKED_ITEM_TOKENS``), past those items of 8 where the experts have few rows each,
+    else 16 (BF16: 16 from 2), read in windows of 8 (1 and 8 rows), 16 (2-7, 9, 16 rows), 24
+    (10-15) from an 8-aligned row; a ``SlotTile``'s rows in [1, 16]."""
+    assert [choose_item_rows(t) for t in (1, 2, 3, 8, 9, 16, 32, 33, 64)] == [
+        1, 8, 8, 8, 8, 8, 8, 16, 16]
     assert [choose_item_rows(t, "bf16") for t in (1, 2, 8, 9)] == [1, 16, 16, 16]
     assert choose_item_rows(3, "nvfp4") == 8
+    assert [mosaic.blocked_items(t, "nvfp4") for t in (8, 9, 32, 33)] == [False, True, True,
+                                                                          False]
+    assert not mosaic.blocked_items(16, "bf16")
+    # past the blocks, items of 8 where the experts have at most SMALL_ITEM_DENSITY rows each
+    assert [choose_item_rows(t, "nvfp4", t * 8 / 256) for t in (40, 48, 64)] == [8, 8, 16]
+    assert choose_item_rows(64, "bf16", 1.0) == 16 and choose_item_rows(64, "fp8", 2.0) == 16
     assert [window(r) for r in (1, 2, 7, 8, 9, 10, 15, 16)] == [8, 16, 16, 8, 16, 24, 24, 16]
     assert SlotTile(rows=3).window == 16 and SlotTile().window == 16
     assert window_rows(45, 1) == 48 and window_rows(45) == 56 and window_rows(45, 8) == 48
@@ -467,6 +475,9 @@ CASES = [  # (T, k, format, variant, patterns); k_splits: gate_up's K steps (FP4
     (1, 4, MXFP4, dict(), ("random",)),
     (2, 4, NVFP4, dict(k_splits=(3, 1), tile=(SlotTile(block_k=64),) * 2), ("random",)),
     (1, 4, MXFP4, dict(k_splits=(3, 1), tile=(SlotTile(block_k=64),) * 2), ("random",)),
+    # 9 tokens, 1.5 rows an expert: items of 8 past 8 tokens (SMALL_ITEM_DENSITY), an expert's
+    # 9 rows in two of them
+    (9, 1, NVFP4, dict(bias=True), ("random", "one_expert")),
 ]
 
 
@@ -524,6 +535,42 @@ def test_fused_launch_equals_three(t, k, fmt, arrays_kw, variant, pattern):
     variant.pop("k_splits", None), variant.pop("tile", None)
     ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
     assert_pairs_close(fused, ref, ids, kw["gate_up"].shape[0])
+
+
+BLOCKED_CASES = [  # (T, k, format, routing patterns, fused)
+    (33, 2, FP8, ("one_expert", "random"), False),  # 33 rows on one expert: five blocks
+    (12, 2, NVFP4, ("repeated", "zero_experts"), True),
+    (9, 3, MXFP4, ("random",), None),
+    (2, 4, FP8, ("dup_in_token",), None),
+]
+
+
+@pytest.mark.parametrize("t,k,fmt,patterns,fused", BLOCKED_CASES,
+                         ids=[f"T{c[0]}-k{c[1]}-{c[2].value}" for c in BLOCKED_CASES])
+def test_blocked_items_against_reference(monkeypatch, t, k, fmt, patterns, fused):
+    """The blocked plan (``BLOCKED_ITEM_TOKENS``): each expert's rows from a block of 8 of its
+    own (``kernel.blocked_plan``), items of 8: the pairs equal the reference's, each item lies
+    in one block, and the radix plan program makes the XLA plan's blocks."""
+    kw = arrays(fmt, bias=True)
+    x = x_rows(t)
+    with mosaic_constants(monkeypatch, BLOCKED_ITEM_TOKENS=(2, 64)):
+        for i, pattern in enumerate(patterns):
+            ids = routing(pattern, t, k, seed=i)
+            out = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=fused, **kw)
+            ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw)
+            assert_pairs_close(out, ref, ids, E)
+            plan = make_plan(ids, E, blocked=True)
+            radix = make_plan(ids, E, pallas=True, interpret=True, blocked=True)
+            for name in ("work", "token_of_row", "row_of_pair", "routed", "items"):
+                np.testing.assert_array_equal(getattr(radix, name), getattr(plan, name), name)
+            expert, first, count = np.asarray(plan.items)
+            assert (first[count > 0] % 8 == 0).all() and (count <= 8).all()
+            assert count.sum() == int(np.asarray(plan.routed).sum())
+            rows = np.asarray(plan.row_of_pair)[np.asarray(plan.routed)]
+            assert len(set(rows.tolist())) == rows.size  # one row a routed pair
+            tok = np.asarray(plan.token_of_row)
+            np.testing.assert_array_equal(tok[rows], np.nonzero(np.asarray(plan.routed))[0])
+            assert (np.delete(tok, rows) == -1).all()  # padding rows
 
 
 @pytest.mark.parametrize("fmt", [FP8, BF16], ids=lambda v: v.value)

@@ -156,15 +156,23 @@ RADIX_PLAN_MAX_PAIRS = 1024
 
 
 def make_plan(expert_ids: jax.Array, num_experts: int, *, pallas: bool = False,
-              interpret: bool = False, item_rows: int | None = None) -> DecodePlan:
+              interpret: bool = False, item_rows: int | None = None,
+              blocked: bool = False) -> DecodePlan:
     """Work list of ``expert_ids [T, k]``; ``U = min(E, P)`` slots (a static bound on the
     distinct experts). ``P = T*k <= DENSE_PLAN_MAX_PAIRS``: ``_dense_plan``, else
     ``_sorted_plan``; all give the same plan (slots in increasing expert id, idle slots last,
     rows in the stable sort order). ``pallas``: Pallas launches build it (``interpret``: in
     interpret mode), up to ``PALLAS_PLAN_MAX_PAIRS`` one program of pairwise comparisons, up
     to ``RADIX_PLAN_MAX_PAIRS`` one radix-sort program; with ``item_rows`` those also cut the
-    slots into work items (the plan's ``items``; the XLA plans leave it None)."""
+    slots into work items (the plan's ``items``; the XLA plans leave it None). ``blocked``:
+    each slot's rows moved to blocks of 8 of their own, items one a block (``blocked_plan``;
+    with ``pallas``, the radix program at any ``P``)."""
     t, k = expert_ids.shape
+    if blocked and pallas and t * k <= RADIX_PLAN_MAX_PAIRS:
+        return _pallas_radix_plan(expert_ids, num_experts, interpret=interpret, item_rows=8,
+                                  blocked=True)
+    if blocked:
+        return blocked_plan(make_plan(expert_ids, num_experts), num_experts)
     if pallas and t * k <= PALLAS_PLAN_MAX_PAIRS:
         return _pallas_plan(expert_ids, num_experts, interpret=interpret, item_rows=item_rows)
     if pallas and t * k <= RADIX_PLAN_MAX_PAIRS:
@@ -334,9 +342,56 @@ def num_items(slots: int, pairs: int, item_rows: int) -> int:
     return min(slots + extra, pairs)
 
 
+def num_blocks(slots: int, pairs: int) -> int:
+    """A static bound on a blocked plan's blocks of 8 (``blocked_plan``): a slot of c rows
+    takes ``cdiv(c, 8) <= 1 + (c - 1) // 8`` blocks, so ``U`` slots at most ``U + cdiv(P,
+    8)``; and at most ``P`` (a block has a row)."""
+    return min(slots + pl.cdiv(pairs, 8), pairs)
+
+
+def blocked_plan(plan: DecodePlan, num_experts: int) -> DecodePlan:
+    """``plan`` with each slot's rows moved to blocks of 8 of their own: slot u's rows start at
+    row ``8 * B_u`` (``B_u``: the blocks of 8 the slots before it need), its j-th 8 rows are
+    block ``B_u + j``; rows no pair takes are padding (token -1). Returns the plan with the
+    moved ``row_of_pair``, ``token_of_row [8 W]`` and ``work`` first rows, and ``items [3,
+    W]`` one a block (expert, first row, up to 8 rows; past the last: ``(num_experts, routed
+    rows, 0)``), ``W = num_blocks(U, P)``. So an expert of up to 8 rows is one item of 8
+    rows read in a window of 8 (``mosaic``) at any token count. XLA ops on the plan's ``[U]``
+    / ``[P]`` arrays (the radix plan program makes the same in one launch)."""
+    expert, first, count = plan.work  # [U]; busy slots first, in increasing first row
+    u = expert.shape[0]
+    t, k = plan.row_of_pair.shape
+    p = t * k
+    w = num_blocks(u, p)
+    blocks = (count + 7) // 8  # [U]
+    ends = jnp.cumsum(blocks)  # [U] inclusive
+    start = ends - blocks  # [U] each slot's first block
+    rows = plan.row_of_pair.reshape(-1)
+    routed = plan.routed.reshape(-1)
+    busy = count > 0
+    slot = jnp.sum((first[None, :] <= rows[:, None]) & busy[None, :], axis=1) - 1  # [P]
+    slot = jnp.clip(slot, 0, u - 1)
+    off = rows - first[slot]
+    moved = jnp.where(routed, 8 * start[slot] + off, 0)  # off // 8 blocks on, off % 8 in it
+    token = jnp.arange(p, dtype=jnp.int32) // k
+    token_of_row = jnp.full((8 * w,), -1, jnp.int32).at[jnp.where(routed, moved, 8 * w)].set(
+        token, mode="drop")
+    b = jnp.arange(w, dtype=jnp.int32)
+    bslot = jnp.sum((ends[None, :] <= b[:, None]).astype(jnp.int32), axis=1)  # [W]
+    used = bslot < u
+    bs = jnp.minimum(bslot, u - 1)
+    n = jnp.where(used, jnp.minimum(8, count[bs] - 8 * (b - start[bs])), 0)
+    items = jnp.stack([jnp.where(used, expert[bs], num_experts),
+                       jnp.where(used, 8 * b, jnp.sum(count)), n]).astype(jnp.int32)
+    first = jnp.where(busy, 8 * start, jnp.sum(count))  # idle slots: the routed rows
+    return plan._replace(work=jnp.stack([expert, first, count]).astype(jnp.int32),
+                         token_of_row=token_of_row, row_of_pair=moved.reshape(t, k),
+                         items=items)
+
+
 def _plan_call(kernel, expert_ids: jax.Array, num_experts: int, *, name: str, num_warps: int,
                interpret: bool, item_rows: int | None, inputs: tuple = (),
-               outputs: tuple = (), grid: tuple[int, ...] = ()):
+               outputs: tuple = (), grid: tuple[int, ...] = (), blocked: bool = False):
     """Pallas ``kernel(ids_ref, *inputs' refs, work_ref, token_of_row_ref, row_of_pair_ref,
     [items_ref], *outputs' refs, p=, k=, num_experts=, item_rows=)`` over the flat pair ids
     (one program; ``grid`` for more): the plan, or ``(plan, outputs)`` given ``outputs``
@@ -345,11 +400,12 @@ def _plan_call(kernel, expert_ids: jax.Array, num_experts: int, *, name: str, nu
     p = t * k
     slots = min(num_experts, p)
     flat = expert_ids.reshape(p).astype(jnp.int32)
+    items = num_blocks(slots, p) if blocked else num_items(slots, p, item_rows or 1)
     out_shape = [jax.ShapeDtypeStruct((3, slots), jnp.int32),
-                 jax.ShapeDtypeStruct((p,), jnp.int32),
+                 jax.ShapeDtypeStruct((8 * items if blocked else p,), jnp.int32),
                  jax.ShapeDtypeStruct((p,), jnp.int32)]
     if item_rows is not None:
-        out_shape.append(jax.ShapeDtypeStruct((3, num_items(slots, p, item_rows)), jnp.int32))
+        out_shape.append(jax.ShapeDtypeStruct((3, items), jnp.int32))
     work, token_of_row, row_of_pair, *rest = pl.pallas_call(
         functools.partial(kernel, p=p, k=k, num_experts=num_experts, item_rows=item_rows),
         out_shape=out_shape + list(outputs),
@@ -373,7 +429,8 @@ def _pallas_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool,
 
 
 def _radix_plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *items_ref,
-                       p: int, k: int, num_experts: int, item_rows: int | None, barrier: bool):
+                       p: int, k: int, num_experts: int, item_rows: int | None, barrier: bool,
+                       blocked: bool = False):
     """One program, O(P * bits) work: the ``p`` pair keys ``key << shift | pair`` sorted by a
     stable LSD radix sort over the key's bits, two a pass (a lane's new row is the lanes of
     smaller digits plus those of its digit before it -- cumsums of 16-bit counters packed two
@@ -383,8 +440,11 @@ def _radix_plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *it
     and first row (slot: a cumsum of the run starts), its last lane reads the first row back
     (after a barrier) and writes the row count; with ``item_rows``, every row at a multiple of
     ``item_rows`` within its run writes the work item it starts (its run's first item: a
-    cumsum of the runs' item counts). No [p, p] comparisons. ``barrier`` False in interpret
-    mode (no lowering there; the interpreter runs the stores and loads in program order)."""
+    cumsum of the runs' item counts). ``blocked`` (``item_rows`` 8): the rows move to blocks
+    of 8 (``blocked_plan``): row r of a run from ``first`` goes to ``8 * item + (r - first) %
+    8``, its item counted from the run's first row, and ``token_of_row`` (``[8 W]``) is -1 on
+    the rows no pair takes. No [p, p] comparisons. ``barrier`` False in interpret mode (no
+    lowering there; the interpreter runs the stores and loads in program order)."""
     n = max(16, pl.next_power_of_2(p))
     shift = max(1, (p - 1).bit_length())
     r = jnp.arange(n, dtype=jnp.int32)
@@ -450,6 +510,27 @@ def _radix_plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *it
     rows = jnp.int32(item_rows)
     sync()
     first, count = slot_entry(1, routed), slot_entry(2, routed)  # every row: its run's
+    if blocked:
+        chunks = jnp.where(ends, (count + 7) // 8, 0)  # a run's blocks
+        off = r - first
+        moved = 8 * (jax.lax.cumsum(chunks, axis=0) - chunks + off // 8) + off % 8
+        sync()  # every lane has read its run's first row: it may now move
+        plgpu.store(work_ref.at[jnp.int32(1), jnp.where(starts, slot, work_ref.shape[1])],
+                    moved, mask=starts)
+        plgpu.store(row_of_pair_ref.at[jnp.where(valid, pair, p)], jnp.where(routed, moved, 0),
+                    mask=valid)
+        size = token_of_row_ref.shape[0]
+        for c in range(pl.cdiv(size, n)):  # padding rows: -1
+            at = c * n + r
+            plgpu.store(token_of_row_ref.at[jnp.where(at < size, at, size)],
+                        jnp.full((n,), -1, jnp.int32), mask=at < size)
+        sync()
+        plgpu.store(token_of_row_ref.at[jnp.where(routed, moved, size)],
+                    jax.lax.div(pair, jnp.int32(k)), mask=routed)
+        _entries(items_ref, moved // 8, (key, moved, jnp.minimum(count - off, 8)),
+                 routed & (off % 8 == 0))
+        _idle(items_ref, jnp.sum(chunks), num_experts_, num_routed)
+        return
     chunks = jnp.where(ends, item_count(first, count, item_rows), 0)  # a run's items
     off = r - cut_base(first, item_rows)  # row from its run's cut base
     item = jax.lax.cumsum(chunks, axis=0) - chunks + jax.lax.div(off, rows)
@@ -460,16 +541,17 @@ def _radix_plan_kernel(ids_ref, work_ref, token_of_row_ref, row_of_pair_ref, *it
 
 
 def _pallas_radix_plan(expert_ids: jax.Array, num_experts: int, *, interpret: bool,
-                       item_rows: int | None = None) -> DecodePlan:
+                       item_rows: int | None = None, blocked: bool = False) -> DecodePlan:
     """The plan from one Pallas program that radix-sorts the pair keys
     (``_radix_plan_kernel``): the same plan (and work items) as ``_dense_plan`` (its cut), for
     any ``P`` up to ``RADIX_PLAN_MAX_PAIRS``."""
     if expert_ids.size >= 1 << 16:  # the sort's digit counters are 16-bit fields
         raise ValueError(f"radix plan: {expert_ids.size} pairs, at most {(1 << 16) - 1}")
-    return _plan_call(functools.partial(_radix_plan_kernel, barrier=not interpret), expert_ids,
+    return _plan_call(functools.partial(_radix_plan_kernel, barrier=not interpret,
+                                        blocked=blocked), expert_ids,
                       num_experts, name="moe_decode_radix_plan",
                       num_warps=4 if expert_ids.size <= 512 else 8, interpret=interpret,
-                      item_rows=item_rows)
+                      item_rows=item_rows, blocked=blocked)
 
 
 def _sorted_plan(expert_ids: jax.Array, num_experts: int) -> DecodePlan:

@@ -11,14 +11,17 @@ layout), and into ``wgmma`` as the A operand: no second trip through SMEM.
 
 Work items. The decode plan (``kernel.make_plan``: pairs sorted by expert, one slot per
 distinct expert) is cut into items of at most ``r = choose_item_rows(T)`` rows (1 at 1 token,
-8 at 2-8, 16 from 9; a multiple of 8 cuts at 8-aligned rows, ``kernel.cut_base``;
-``work_items``): work item ``w`` owns sorted rows ``[start_w, start_w + count_w)`` of one
-expert ``e_w``; there are at most ``kernel.num_items(U, P, r)`` of them (a static bound;
-unused items have 0 rows and their programs exit at once). The activations come in sorted-row
-order ``a [R, K]`` (``R = window_rows(P, r)``: the rows past ``P`` are read by the last windows
-only): a program reads the window of ``window(r)`` rows (8 at 1-8 tokens, 16 from 9) from
-``start_w`` rounded down to a multiple of 8 (a TMA into tiled SMEM starts at an 8-aligned
-row) and its item's rows sit at offset ``start_w % 8`` in it.
+8 at 2-8 tokens and where the experts have few rows each, else 16; a multiple of 8 cuts at
+8-aligned rows, ``kernel.cut_base``; ``work_items``): work item ``w`` owns sorted rows
+``[start_w, start_w + count_w)`` of one expert ``e_w``; there are at most
+``kernel.num_items(U, P, r)`` of them (a static bound; unused items have 0 rows and their
+programs exit at once). The activations come in sorted-row order ``a [R, K]`` (``R =
+window_rows(P, r)``: the rows past ``P`` are read by the last windows only): a program reads
+the window of ``window(r)`` rows (8 for items of 1 or 8 rows, 16 for 16) from ``start_w``
+rounded down to a multiple of 8 (a TMA into tiled SMEM starts at an 8-aligned
+row) and its item's rows sit at offset ``start_w % 8`` in it. At ``BLOCKED_ITEM_TOKENS`` the
+plan is blocked (``kernel.blocked_plan``): each expert's rows start a block of 8 of its own
+(padding rows between), so items of 8 cut no expert of up to 8 rows in two.
 
 Kernel (``slot_matmul``): ``out[r, n] = sum_k w[e_w, n, k] * scale(e_w, n, k) * a[r, k]`` for
 every sorted row ``r`` of every item, in sorted-row order like the Triton kernels' output
@@ -129,12 +132,31 @@ EPILOGUE_LOADS_AHEAD = True  # the epilogue's row factors and bias loaded before
 SCALE_PREFETCH = 3  # K steps a scale load is issued before its step (1: the step before)
 BLOCK_N = 64  # weight rows a program (the wgmma's M)
 # Items at T tokens (``choose_item_rows``): 1 row at 1 token (windows of 8), aligned items of 8
-# rows at 2-8 tokens (windows of 8; BF16 16), of 16 from 9 (windows of 16). H200, windows of
-# 24 -> 16: Qwen3 FP8 / NVFP4 / MXFP4 8 tokens 87.0 -> 84.5 / 70.9 -> 64.5 / 76.5 -> 67.9 us
-# (NOTES, session 25); 16 -> 8: NOTES, session 27. MIN_ITEM_ROWS: the fewest rows an item is
-# cut to (a wider window at 1 token). SMALL_ITEM_TOKENS: the most tokens of 8-row items.
+# rows at 2-8 tokens and where the routed rows an expert are few (windows of 8; BF16 16), else
+# of 16 (windows of 16). H200, windows of 24 -> 16: Qwen3 FP8 / NVFP4 / MXFP4 8 tokens 87.0 ->
+# 84.5 / 70.9 -> 64.5 / 76.5 -> 67.9 us (NOTES, session 25); 16 -> 8: NOTES, session 27.
+# MIN_ITEM_ROWS: the fewest rows an item is cut to (a wider window at 1 token).
+# SMALL_ITEM_TOKENS: items of 8 up to this many tokens. SMALL_ITEM_DENSITY: and past it where
+# the pairs over the experts (``T * k / E``: rows an expert on average) are at most this. H200,
+# Qwen3-30B-A3B busy us, items of 16 -> 8 (session 31): 16 tokens (density 1) NVFP4 91 -> 84,
+# MXFP4 98 -> 94, FP8 119 -> 112; 24 (1.5) 110 -> 106 / 118 -> 118 / 143 -> 140; 32 (2) 120 ->
+# 123 / 128 -> 137 / 157 -> 156; 64 (4) 134 -> 150 / 141 -> 163 / 177 -> 183 (an expert whose
+# rows cross an 8-row cut is read and converted twice); gpt-oss MXFP4 16 tokens (2) 288 -> 284.
+# BLOCKED_ITEM_TOKENS: the token counts whose plan moves each expert's rows to blocks of 8 of
+# their own (``kernel.blocked_plan``): items of 8 with no expert's rows crossing a cut unless it
+# has more than 8. H200, the Mosaic launch at 32 tokens, items of 16 -> blocks: NVFP4 103 ->
+# 96.4 us, MXFP4 114 -> 105; 64 tokens (three launches, where the padding rows cost h_rows and
+# x_rows programs) 109 -> 108 / 117 -> 112 (session 31).
 MIN_ITEM_ROWS = 1
 SMALL_ITEM_TOKENS = 8
+SMALL_ITEM_DENSITY = 1.5
+BLOCKED_ITEM_TOKENS = (9, 32)
+
+
+def blocked_items(tokens: int, fmt: str | None = None) -> bool:
+    """Whether a step of ``tokens`` takes the blocked plan (``BLOCKED_ITEM_TOKENS``; f16
+    activations: not BF16 weights)."""
+    return fmt != "bf16" and BLOCKED_ITEM_TOKENS[0] <= tokens <= BLOCKED_ITEM_TOKENS[1]
 
 
 def window(rows: int) -> int:
@@ -145,17 +167,22 @@ def window(rows: int) -> int:
     return rows if rows % 8 == 0 else 8 * -(-(7 + rows) // 8)
 
 
-def choose_item_rows(tokens: int, fmt: str | None = None) -> int:
+def choose_item_rows(tokens: int, fmt: str | None = None, density: float | None = None) -> int:
     """Pure heuristic: the rows work items are cut to at ``tokens`` tokens: 1 at 1 token (at
     least ``MIN_ITEM_ROWS``), aligned items (``kernel.cut_base``) of 8 rows at 2 to
-    ``SMALL_ITEM_TOKENS`` (8) tokens (16 for BF16 ``fmt``) and of 16 from 9. An expert's rows
-    (at most T under top-k routing) are one item unless they cross a cut: with 8-row items
-    that is ~1 of 54 experts at 8 tokens (Qwen3-30B-A3B; its weights read twice) for windows
-    of 8 rows in place of 16, which pays where activations are a large share of a program's
-    bytes (FP8, FP4: NOTES, session 27); 16-row items cut only slots of 10 rows or more."""
+    ``SMALL_ITEM_TOKENS`` (8) tokens, blocks of 8 at ``BLOCKED_ITEM_TOKENS``
+    (``blocked_items``), and past those where ``density`` (the pairs over the experts, ``T *
+    k / E``) is at most ``SMALL_ITEM_DENSITY``; otherwise (and for BF16 ``fmt``) of 16. An
+    expert's rows (at most T under top-k routing) are one item unless they cross a cut: with
+    aligned 8-row items that is ~1 of 54 experts at 8 tokens (Qwen3-30B-A3B; its weights read
+    twice) for windows of 8 rows in place of 16, which pays where activations are a large
+    share of a program's bytes (FP8, FP4: NOTES, session 27) and the experts have few rows
+    each (session 31); blocks cross no cut; 16-row items cut only slots of 10 rows or more."""
     if tokens <= 1:
         return max(MIN_ITEM_ROWS, 1)
-    return 8 if tokens <= SMALL_ITEM_TOKENS and fmt != "bf16" else ROWS
+    small = (tokens <= SMALL_ITEM_TOKENS or blocked_items(tokens, fmt)
+             or (density is not None and density <= SMALL_ITEM_DENSITY))
+    return 8 if small and fmt != "bf16" else ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1812,7 +1839,7 @@ def moe_decode_mosaic_pairs(
         e_all += extra.gate_up.shape[0]
     p = expert_ids.size
     if tile is None:
-        item_rows = choose_item_rows(x.shape[0], fmt)
+        item_rows = choose_item_rows(x.shape[0], fmt, density=p / e_all)
         tile = (choose_slot_tile(hidden, fmt=fmt, rows=item_rows),
                 choose_slot_tile(inter, fmt=fmt, rows=item_rows))
     item_rows = _item_rows(tile, "tile")
@@ -1822,7 +1849,11 @@ def moe_decode_mosaic_pairs(
         return t.block_k if packed == 2 else None
 
     x16 = None  # x's f16 rows (f16 activations), where the plan's launch makes them
-    if fmt != "bf16" and p <= row_launches.PLAN_X_ROWS_MAX_PAIRS:
+    if blocked_items(x.shape[0], fmt) and item_rows == 8:  # kernel.blocked_plan
+        plan = make_plan(expert_ids, e_all, pallas=not interpret, interpret=interpret,
+                         blocked=True)
+        rows = plan.token_of_row.shape[0]
+    elif fmt != "bf16" and p <= row_launches.PLAN_X_ROWS_MAX_PAIRS:
         plan, x16 = plan_x_rows(x, expert_ids, e_all, rows, item_rows=item_rows,
                                 block_k=order(tile[0]), interpret=interpret)
     else:

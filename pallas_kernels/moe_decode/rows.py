@@ -6,7 +6,8 @@ launches also in the operand column order (``mosaic.fp4_operand_order``). Two la
 them, one program a row, where XLA took two and three small fusions (a row amax is a
 reduction, the scaled copy its consumer; each a launch of ~1-1.5 us on the H200):
 
-- ``x_rows``: row r is token ``token_of_row[r]``'s row of x (rows past the P pairs: token 0's).
+- ``x_rows``: row r is token ``token_of_row[r]``'s row of x (rows past the P pairs: token 0's;
+  token -1: a padding row, left unwritten).
 - ``plan_x_rows``: up to ``PLAN_X_ROWS_MAX_PAIRS`` pairs (1-8 tokens of top-8), the decode
   plan and x's rows in one launch: program 0 stores the plan (``make_plan``'s Pallas kernel),
   every other program recomputes the pairs' sorted rows (up to 4096 comparisons) to find its
@@ -90,7 +91,10 @@ def _store_x_row(x_ref, rows_ref, factor_ref, r, token, block_k: int | None):
 def _x_rows_kernel(token_ref, x_ref, rows_ref, factor_ref, *, p: int, block_k: int | None):
     r = pl.program_id(0)
     token = jnp.where(r < p, token_ref[jnp.minimum(r, p - 1)], 0)
-    _store_x_row(x_ref, rows_ref, factor_ref, r, token, block_k)
+
+    @pl.when(token >= 0)  # -1: a padding row (kernel.blocked_plan), not stored
+    def _():
+        _store_x_row(x_ref, rows_ref, factor_ref, r, token, block_k)
 
 
 def _plan_x_rows_kernel(ids_ref, x_ref, work_ref, token_of_row_ref, row_of_pair_ref, items_ref,
