@@ -256,21 +256,24 @@ def test_compiled_slot_matmul_small_windows(item_rows, fmt, k, k_splits):
                       bias_dtype=jnp.float32)
 
 
-def test_item_rows_and_windows():
-    """Items of 1 row at 1 token, aligned items of 8 rows at 2-8 tokens, blocks of 8 at 9-32
-    (``BLOCKED_ITEM_TOKENS``), past those items of 8 where the experts have few rows each,
-    else 16 (BF16: 16 from 2), read in windows of 8 (1 and 8 rows), 16 (2-7, 9, 16 rows), 24
-    (10-15) from an 8-aligned row; a ``SlotTile``'s rows in [1, 16]."""
-    assert [choose_item_rows(t) for t in (1, 2, 3, 8, 9, 16, 32, 33, 64)] == [
-        1, 8, 8, 8, 8, 8, 8, 16, 16]
+def test_item_rows_and_windows(monkeypatch):
+    """Items of 1 row at 1 token, aligned items of 8 rows at 2-8 tokens, past 8 items of 8
+    where the experts have few rows each, else 16 (BF16: 16 from 2); blocks of 8 at
+    ``BLOCKED_ITEM_TOKENS`` when set; read in windows of 8 (1 and 8 rows), 16 (2-7, 9, 16
+    rows), 24 (10-15) from an 8-aligned row; a ``SlotTile``'s rows in [1, 16]."""
+    assert [choose_item_rows(t) for t in (1, 2, 3, 8, 9, 16, 64)] == [1, 8, 8, 8, 16, 16, 16]
     assert [choose_item_rows(t, "bf16") for t in (1, 2, 8, 9)] == [1, 16, 16, 16]
     assert choose_item_rows(3, "nvfp4") == 8
+    # past 8 tokens, items of 8 where the experts have at most SMALL_ITEM_DENSITY rows each
+    assert [choose_item_rows(t, "nvfp4", t * 8 / 128) for t in (16, 24, 32, 64)] == [8, 8, 16,
+                                                                                     16]
+    assert choose_item_rows(16, "bf16", 1.0) == 16 and choose_item_rows(16, "fp8", 2.0) == 16
+    assert not mosaic.blocked_items(16, "nvfp4")  # off by default
+    monkeypatch.setattr(mosaic, "BLOCKED_ITEM_TOKENS", (9, 32))
     assert [mosaic.blocked_items(t, "nvfp4") for t in (8, 9, 32, 33)] == [False, True, True,
                                                                           False]
     assert not mosaic.blocked_items(16, "bf16")
-    # past the blocks, items of 8 where the experts have at most SMALL_ITEM_DENSITY rows each
-    assert [choose_item_rows(t, "nvfp4", t * 8 / 256) for t in (40, 48, 64)] == [8, 8, 16]
-    assert choose_item_rows(64, "bf16", 1.0) == 16 and choose_item_rows(64, "fp8", 2.0) == 16
+    assert [choose_item_rows(t, "fp8", 4.0) for t in (8, 9, 32, 33)] == [8, 8, 8, 16]
     assert [window(r) for r in (1, 2, 7, 8, 9, 10, 15, 16)] == [8, 16, 16, 8, 16, 24, 24, 16]
     assert SlotTile(rows=3).window == 16 and SlotTile().window == 16
     assert window_rows(45, 1) == 48 and window_rows(45) == 56 and window_rows(45, 8) == 48
@@ -571,6 +574,21 @@ def test_blocked_items_against_reference(monkeypatch, t, k, fmt, patterns, fused
             tok = np.asarray(plan.token_of_row)
             np.testing.assert_array_equal(tok[rows], np.nonzero(np.asarray(plan.routed))[0])
             assert (np.delete(tok, rows) == -1).all()  # padding rows
+
+
+@pytest.mark.parametrize("t,k,e", [(12, 8, 128), (2, 4, 32)])
+def test_blocked_radix_plan_lowers_for_h200(t, k, e):
+    """The radix plan program with blocks lowers to Triton for the H200 (no GPU: an abstract
+    device), at more pairs than 32 and at fewer (the pairwise plan's range: radix too)."""
+    from jax._src import mesh as mesh_lib
+
+    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
+    f = jax.jit(lambda ids: make_plan(ids, e, pallas=True, blocked=True))
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = f.trace(jax.ShapeDtypeStruct((t, k), jnp.int32)).lower(
+            lowering_platforms=("cuda",))
+    assert "__gpu$xla.gpu.triton" in lowered.as_text()
 
 
 @pytest.mark.parametrize("fmt", [FP8, BF16], ids=lambda v: v.value)

@@ -19,9 +19,9 @@ programs exit at once). The activations come in sorted-row order ``a [R, K]`` (`
 window_rows(P, r)``: the rows past ``P`` are read by the last windows only): a program reads
 the window of ``window(r)`` rows (8 for items of 1 or 8 rows, 16 for 16) from ``start_w``
 rounded down to a multiple of 8 (a TMA into tiled SMEM starts at an 8-aligned
-row) and its item's rows sit at offset ``start_w % 8`` in it. At ``BLOCKED_ITEM_TOKENS`` the
-plan is blocked (``kernel.blocked_plan``): each expert's rows start a block of 8 of its own
-(padding rows between), so items of 8 cut no expert of up to 8 rows in two.
+row) and its item's rows sit at offset ``start_w % 8`` in it. At ``BLOCKED_ITEM_TOKENS`` (off
+by default) the plan is blocked (``kernel.blocked_plan``): each expert's rows start a block of
+8 of its own (padding rows between), so items of 8 cut no expert of up to 8 rows in two.
 
 Kernel (``slot_matmul``): ``out[r, n] = sum_k w[e_w, n, k] * scale(e_w, n, k) * a[r, k]`` for
 every sorted row ``r`` of every item, in sorted-row order like the Triton kernels' output
@@ -142,21 +142,23 @@ BLOCK_N = 64  # weight rows a program (the wgmma's M)
 # MXFP4 98 -> 94, FP8 119 -> 112; 24 (1.5) 110 -> 106 / 118 -> 118 / 143 -> 140; 32 (2) 120 ->
 # 123 / 128 -> 137 / 157 -> 156; 64 (4) 134 -> 150 / 141 -> 163 / 177 -> 183 (an expert whose
 # rows cross an 8-row cut is read and converted twice); gpt-oss MXFP4 16 tokens (2) 288 -> 284.
-# BLOCKED_ITEM_TOKENS: the token counts whose plan moves each expert's rows to blocks of 8 of
-# their own (``kernel.blocked_plan``): items of 8 with no expert's rows crossing a cut unless it
-# has more than 8. H200, the Mosaic launch at 32 tokens, items of 16 -> blocks: NVFP4 103 ->
-# 96.4 us, MXFP4 114 -> 105; 64 tokens (three launches, where the padding rows cost h_rows and
-# x_rows programs) 109 -> 108 / 117 -> 112 (session 31).
+# BLOCKED_ITEM_TOKENS: the (first, last) token counts whose plan moves each expert's rows to
+# blocks of 8 of their own (``kernel.blocked_plan``): items of 8 with no expert's rows crossing
+# a cut unless it has more than 8. H200, the Mosaic launch at 32 tokens with XLA's blocked plan,
+# items of 16 -> blocks: NVFP4 103 -> 96.4 us, MXFP4 114 -> 105; 64 tokens (three launches)
+# 109 -> 108 / 117 -> 112 (session 31). None (off) until the radix program's blocked plan has
+# run compiled on the GPU (built and tested in interpret mode only; for (9, 32): NOTES).
 MIN_ITEM_ROWS = 1
 SMALL_ITEM_TOKENS = 8
 SMALL_ITEM_DENSITY = 1.5
-BLOCKED_ITEM_TOKENS = (9, 32)
+BLOCKED_ITEM_TOKENS: tuple[int, int] | None = None
 
 
 def blocked_items(tokens: int, fmt: str | None = None) -> bool:
     """Whether a step of ``tokens`` takes the blocked plan (``BLOCKED_ITEM_TOKENS``; f16
     activations: not BF16 weights)."""
-    return fmt != "bf16" and BLOCKED_ITEM_TOKENS[0] <= tokens <= BLOCKED_ITEM_TOKENS[1]
+    span = BLOCKED_ITEM_TOKENS
+    return fmt != "bf16" and span is not None and span[0] <= tokens <= span[1]
 
 
 def window(rows: int) -> int:
@@ -1849,7 +1851,8 @@ def moe_decode_mosaic_pairs(
         return t.block_k if packed == 2 else None
 
     x16 = None  # x's f16 rows (f16 activations), where the plan's launch makes them
-    if blocked_items(x.shape[0], fmt) and item_rows == 8:  # kernel.blocked_plan
+    blocked = blocked_items(x.shape[0], fmt) and item_rows == 8
+    if blocked:  # kernel.blocked_plan
         plan = make_plan(expert_ids, e_all, pallas=not interpret, interpret=interpret,
                          blocked=True)
         rows = plan.token_of_row.shape[0]
@@ -1895,7 +1898,7 @@ def moe_decode_mosaic_pairs(
         h, factor = h.astype(jnp.bfloat16), None
     else:  # f16 rows scaled per row (rows.py: one launch each)
         a, factor = x16 or x_rows(x, plan.token_of_row, rows, block_k=order(tile[0]),
-                                  interpret=interpret)
+                                  padding=blocked, interpret=interpret)
         if fused:  # gate_up, h and down in one launch
             y = slot_mlp(work, a, factor, gate_up, down, gate_up_scale, down_scale,
                          gate_up_global_scale, down_global_scale, extra_gate_up=xs,

@@ -7,7 +7,7 @@ them, one program a row, where XLA took two and three small fusions (a row amax 
 reduction, the scaled copy its consumer; each a launch of ~1-1.5 us on the H200):
 
 - ``x_rows``: row r is token ``token_of_row[r]``'s row of x (rows past the P pairs: token 0's;
-  token -1: a padding row, left unwritten).
+  with ``padding``, token -1: a padding row, left unwritten).
 - ``plan_x_rows``: up to ``PLAN_X_ROWS_MAX_PAIRS`` pairs (1-8 tokens of top-8), the decode
   plan and x's rows in one launch: program 0 stores the plan (``make_plan``'s Pallas kernel),
   every other program recomputes the pairs' sorted rows (up to 4096 comparisons) to find its
@@ -88,9 +88,13 @@ def _store_x_row(x_ref, rows_ref, factor_ref, r, token, block_k: int | None):
     _store_scaled(rows_ref, factor_ref, r, v, pos, valid)
 
 
-def _x_rows_kernel(token_ref, x_ref, rows_ref, factor_ref, *, p: int, block_k: int | None):
+def _x_rows_kernel(token_ref, x_ref, rows_ref, factor_ref, *, p: int, block_k: int | None,
+                   padding: bool):
     r = pl.program_id(0)
     token = jnp.where(r < p, token_ref[jnp.minimum(r, p - 1)], 0)
+    if not padding:
+        _store_x_row(x_ref, rows_ref, factor_ref, r, token, block_k)
+        return
 
     @pl.when(token >= 0)  # -1: a padding row (kernel.blocked_plan), not stored
     def _():
@@ -161,12 +165,13 @@ def _launch(kernel, rows: int, k: int, args, interpret: bool, name: str):
 
 
 def x_rows(x: jax.Array, token_of_row: jax.Array, rows: int, *, block_k: int | None = None,
-           interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+           padding: bool = False, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """``x [T, H]`` -> (``rows`` f16 rows in sorted order, their factors): row r is token
     ``token_of_row[r]``'s (past ``len(token_of_row)``: token 0's); ``block_k``: FP4 operand
-    order for K steps of that length."""
+    order for K steps of that length; ``padding``: rows of token -1 are padding (a blocked
+    plan's), left unwritten."""
     p = token_of_row.shape[0]
-    kernel = functools.partial(_x_rows_kernel, p=p, block_k=block_k)
+    kernel = functools.partial(_x_rows_kernel, p=p, block_k=block_k, padding=padding)
     return _launch(kernel, rows, x.shape[1], (token_of_row.astype(jnp.int32), x), interpret,
                    "moe_decode_x_rows")
 
