@@ -400,11 +400,11 @@ def _plan_call(kernel, expert_ids: jax.Array, num_experts: int, *, name: str, nu
     p = t * k
     slots = min(num_experts, p)
     flat = expert_ids.reshape(p).astype(jnp.int32)
-    items = num_blocks(slots, p) if blocked else num_items(slots, p, item_rows or 1)
     out_shape = [jax.ShapeDtypeStruct((3, slots), jnp.int32),
-                 jax.ShapeDtypeStruct((8 * items if blocked else p,), jnp.int32),
+                 jax.ShapeDtypeStruct((8 * num_blocks(slots, p) if blocked else p,), jnp.int32),
                  jax.ShapeDtypeStruct((p,), jnp.int32)]
     if item_rows is not None:
+        items = num_blocks(slots, p) if blocked else num_items(slots, p, item_rows)
         out_shape.append(jax.ShapeDtypeStruct((3, items), jnp.int32))
     work, token_of_row, row_of_pair, *rest = pl.pallas_call(
         functools.partial(kernel, p=p, k=k, num_experts=num_experts, item_rows=item_rows),

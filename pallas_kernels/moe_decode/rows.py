@@ -92,13 +92,14 @@ def _x_rows_kernel(token_ref, x_ref, rows_ref, factor_ref, *, p: int, block_k: i
                    padding: bool):
     r = pl.program_id(0)
     token = jnp.where(r < p, token_ref[jnp.minimum(r, p - 1)], 0)
-    if not padding:
-        _store_x_row(x_ref, rows_ref, factor_ref, r, token, block_k)
-        return
 
-    @pl.when(token >= 0)  # -1: a padding row (kernel.blocked_plan), not stored
-    def _():
+    def store():
         _store_x_row(x_ref, rows_ref, factor_ref, r, token, block_k)
+
+    if padding:  # -1: a padding row (kernel.blocked_plan), not stored
+        pl.when(token >= 0)(store)
+    else:
+        store()
 
 
 def _plan_x_rows_kernel(ids_ref, x_ref, work_ref, token_of_row_ref, row_of_pair_ref, items_ref,
