@@ -171,6 +171,35 @@ def test_compiled_slot_matmul_wide_fp4_steps(fmt, block_k, k, k_splits):
     check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, block_k=block_k)
 
 
+# (block_k, K, k_splits): steps of 128 and 64 (a thread's columns in one E8M0 group, or half
+# of one), then the wide steps
+MX_ROW_MAX_CASES = [(128, 384, 1), (128, 384, 3), (64, 320, 5)] + WIDE_FP4_CASES
+
+
+@pytest.mark.parametrize("block_k,k,k_splits", MX_ROW_MAX_CASES)
+def test_slot_matmul_mx_row_max(monkeypatch, block_k, k, k_splits):
+    """MXFP4 with ``MX_ROW_MAX``: each row's factors against its largest scale over the
+    program's K steps (a K split: its own steps', from its first group), one accumulator, the
+    row's ``2^(s_max - 127 + 6)`` at the end; with the epilogue's row factors and bias."""
+    with mosaic_constants(monkeypatch, MX_ROW_MAX=True):
+        check_slot_matmul(MXFP4, k, compiled=False, k_splits=k_splits, block_k=block_k,
+                          bias_dtype=jnp.float32 if k_splits == 1 else None)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
+@pytest.mark.parametrize("item_rows", [8, 16])
+@pytest.mark.parametrize("block_k,k,k_splits", MX_ROW_MAX_CASES + [
+    (256, 2048, 2), (192, 2880, 1), (192, 2880, 3)])
+def test_compiled_slot_matmul_mx_row_max(monkeypatch, block_k, k, k_splits, item_rows):
+    """The compiled row-max pre-pass (a quad's threads each every fourth load of the program's
+    scale bytes, two shuffles; 8-byte loads, or 2-byte ones for gpt-oss's 90-byte rows) and
+    each thread's own scale bytes a step (one 2-byte load at steps of 256, bytes at 192 where
+    a quad's threads start in different groups)."""
+    with mosaic_constants(monkeypatch, MX_ROW_MAX=True):
+        check_slot_matmul(MXFP4, k, compiled=True, k_splits=k_splits, block_k=block_k,
+                          item_rows=item_rows, bias_dtype=jnp.float32 if k_splits == 1 else None)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
 @pytest.mark.parametrize("parts", [1, 2, 4])
@@ -337,6 +366,22 @@ def test_fp4_rows_and_scales_far_apart(fmt):
     out = moe_decode_mosaic_pairs(x, ids, **kw, interpret=True)
     ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw)
     assert_pairs_close(out, ref, ids, E, tol=5e-3)
+
+
+@pytest.mark.parametrize("compiled", [
+    False, pytest.param(True, marks=pytest.mark.skipif(
+        not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels"))],
+    ids=["interpret", "compiled"])
+def test_mx_row_max_scales_far_apart(monkeypatch, compiled):
+    """``MX_ROW_MAX`` on the far-apart case (E8M0 scales over 2^-50 .. 2^10 within rows: blocks
+    far below their row's largest fall to f16 subnormals or 0): every row still matches the
+    reference on its own, in three launches and in one."""
+    x, ids, kw = far_apart_case(MXFP4, arrays(MXFP4))
+    ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw)
+    with mosaic_constants(monkeypatch, MX_ROW_MAX=True):
+        for fused in (False, True):
+            out = moe_decode_mosaic_pairs(x, ids, **kw, fused=fused, interpret=not compiled)
+            assert_pairs_close(out, ref, ids, E, tol=5e-3)
 
 
 @pytest.mark.parametrize("pattern", ["random", "repeated", "one_expert", "zero_experts",
@@ -862,6 +907,17 @@ class TestLowersForHopper:
         with mosaic_constants(monkeypatch, FP4_PARTS=3), pytest.raises(
                 ValueError, match="3 parts of a K step of 256"):
             self.test_lowers(fmt, 1536, 2048, 1)
+
+    @pytest.mark.parametrize("n,k,k_splits", [(1536, 2048, 1), (5760, 2880, 1),
+                                              (2880, 2880, 3), (2048, 768, 3)])
+    def test_mx_row_max_lowers(self, monkeypatch, n, k, k_splits):
+        """MXFP4 with ``MX_ROW_MAX`` (the pre-pass, own scale bytes, one accumulator) for
+        Qwen3's and gpt-oss's shapes, and gpt-oss's one launch."""
+        with mosaic_constants(monkeypatch, MX_ROW_MAX=True):
+            self.test_lowers(MXFP4, n, k, k_splits)
+            if k == 2880 and k_splits == 1:
+                self.lower_one_launch(MXFP4, 2880, 2880, (1, 1), dict(
+                    activation="gpt_oss", layout="interleaved", limit=7.0, rows=8))
 
     @pytest.mark.parametrize("fmt,h,inter,k_splits,variant", [
         (FP8, 2048, 768, (1, 1), dict()),  # Qwen3-30B-A3B

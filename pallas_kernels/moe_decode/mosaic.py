@@ -48,7 +48,10 @@ thread its own bytes of its two rows (one SMEM vector load a row), places each n
 in an e4m3 byte (``e2m1 * 2^-6``, four a 32-bit op), converts byte pairs to f16x2
 (``cvt.rn.f16x2.e4m3x2``) and multiplies each by a per-row factor of its scale group: NVFP4
 the e4m3 scale (exact in f16), MXFP4 ``2^(s - s_max)`` against the largest E8M0 scale of the
-row's K step (the step's partial then times ``2^(s_max - 127 + 6)``). The column order that
+row's K step (the step's partial then times ``2^(s_max - 127 + 6)``), or with ``MX_ROW_MAX``
+against the largest of the row's scales the program reads (one pre-pass, the quad's threads
+sharing the loads; the steps accumulate like NVFP4's, times ``2^(s_max - 127 + 6)`` at the
+end; each thread loads only its own groups' scale bytes). The column order that
 needs no shuffles (``fp4_operand_order``) is applied to the activations instead
 (``permute_fp4_activations``). One wgmma a K step; NVFP4 accumulates in one accumulator,
 times ``2^6`` and the global scale at the end. The scales come from global memory, 1-8 bytes
@@ -130,6 +133,11 @@ EPILOGUE_LOADS_AHEAD = True  # the epilogue's row factors and bias loaded before
 #   16, a CTA more an SM each; H200: Qwen3 MXFP4 8 tokens -2.9% busy, gpt-oss MXFP4 1 token
 #   +0.7 us, the other cases even: NOTES, session 29)
 SCALE_PREFETCH = 3  # K steps a scale load is issued before its step (1: the step before)
+MX_ROW_MAX = False  # MXFP4: factors against each row's largest scale over the program's K (one
+#   pre-pass; the steps accumulate like NVFP4's), else against each K step's (a partial a step).
+#   Offline SASS, Qwen3 gate_up at windows of 8: the K loop 433 -> 395 instructions, 80 -> 77
+#   registers (NOTES, session 32). Off until it has run compiled on the GPU (built and
+#   tested in interpret mode, lowered and assembled offline only)
 BLOCK_N = 64  # weight rows a program (the wgmma's M)
 # Items at T tokens (``choose_item_rows``): 1 row at 1 token (windows of 8), aligned items of 8
 # rows at 2-8 tokens and where the routed rows an expert are few (windows of 8; BF16 16), else
@@ -433,8 +441,10 @@ def _matmul_program(
         """NVFP4 / MXFP4: each step's codes become one ``[bn, bk]`` f16 A operand with the
         scales folded in (``_fp4_operands_inline``). NVFP4 accumulates every step in one
         accumulator; MXFP4 dots each step into a partial multiplied by its rows'
-        ``2^(s_max - 127 + PLACEMENT)``. The scale bytes are loaded ``SCALE_PREFETCH`` steps
-        before their step turns them into factors (a load's latency not on a step's path)."""
+        ``2^(s_max - 127 + PLACEMENT)``, or with ``MX_ROW_MAX`` accumulates like NVFP4 against
+        the rows' largest scales over the program's steps (a pre-pass before them). The scale
+        bytes are loaded ``SCALE_PREFETCH`` steps before their step turns them into factors (a
+        load's latency not on a step's path)."""
         if stage_w:
             bits_of = functools.partial(_fp4_scale_bits_jnp, scale_ref, e, n0, fmt=fmt,
                                         tile=tile)
@@ -445,6 +455,17 @@ def _matmul_program(
                                         e * scale_ref.shape[1] + n0, fmt=fmt, tile=tile)
             factors_of = functools.partial(_fp4_factors_inline, fmt=fmt, tile=tile)
             operands_of = functools.partial(_fp4_operands_inline, tile=tile)
+        row_max = fmt == "mxfp4" and MX_ROW_MAX
+        if row_max:  # each row's largest scale over this program's K steps, and its factor
+            step_groups = bk // 32
+            span = dict(groups=num_steps * step_groups)
+            first_group = at(0) * step_groups
+            if stage_w:
+                top = _mx_row_top_jnp(scale_ref, e, n0, first_group, **span)
+            else:
+                top = _mx_row_top_inline(scale_ref, e * scale_ref.shape[1] + n0, first_group,
+                                         step_groups=step_groups, **span)
+            factors_of = functools.partial(factors_of, top=top)
         first, advance = ahead(lambda kb: bits_of(at(kb)))
 
         # compiled steps of 256 as FP4_PARTS wgmmas in turn, the operand's registers reused:
@@ -477,7 +498,7 @@ def _matmul_program(
                 plgpu.wgmma_wait(0)
             return factors, queue
 
-        if fmt == "mxfp4":
+        if fmt == "mxfp4" and not row_max:
             def step(idx, w_smem, a_smem, carry):
                 acc, queue = carry
                 if parts > 1:
@@ -505,8 +526,8 @@ def _matmul_program(
             )(w_tile, a_tile)
             return acc
 
-        # the global scale loaded before the steps (read after them, its latency hidden)
-        outer = global_ref[e, lax.div(n0, global_rows)] * 2.0**_PLACEMENT
+        if not row_max:  # the global scale loaded before the steps (read after them)
+            outer = global_ref[e, lax.div(n0, global_rows)] * 2.0**_PLACEMENT
 
         def nv_step(idx, w_smem, a_smem, carry):
             acc_ref, queue = carry
@@ -521,6 +542,9 @@ def _matmul_program(
             return acc_ref[...]
 
         acc = pl.run_scoped(run, plgpu.ACC((bn, wn), jnp.float32))
+        if row_max:  # the rows' 2^(top - 127 + PLACEMENT)
+            factor = (_mx_row_factor_jnp if stage_w else _mx_row_factor_inline)(top)
+            outer = lax.broadcast_in_dim(factor, (bn, wn), [0])
         return acc * outer  # the operands held e2m1 * s * 2^-PLACEMENT
 
     def plain_steps(w_tile, a_tile):
@@ -634,7 +658,9 @@ def _matmul_program(
 # 2^-PLACEMENT``, is exact in f16: a multiple of 2^-16 with at most 6 significant bits), MXFP4
 # ``2^(s - s_max)`` against the largest scale of the row's K step (``e8m0_step_to_f16``; exact
 # for ``s - s_max >= PLACEMENT - 23``, where the product's lowest bit stays >= 2^-24; the
-# step's partial is multiplied by ``2^(s_max - 127 + PLACEMENT)``).
+# step's partial is multiplied by ``2^(s_max - 127 + PLACEMENT)``), or with ``MX_ROW_MAX``
+# against the largest of the row's scales over the program's K steps (the same bound, one
+# accumulator, ``2^(s_max - 127 + PLACEMENT)`` once at the end).
 
 def _code_transforms(block_k: int):
     """Code tiles ``[bn, bk / 2]`` u8 in SMEM: one swizzled tile a row (64 or 32 bytes), so a
@@ -689,10 +715,10 @@ def _fp4_scale_bits_jnp(scale_ref, e, n0, kb, *, fmt: str, tile: SlotTile):
     return scale_ref[e, pl.ds(n0, BLOCK_N), pl.ds(kb * groups, groups)]
 
 
-def _fp4_factors_jnp(s, *, fmt: str):
+def _fp4_factors_jnp(s, *, fmt: str, top=None):
     """Interpret mode's ``_fp4_factors_inline``: the scale bytes ``s [bn, groups]`` -> the
     factors as a ``[bn, bk]`` f16 array in operand order (and MXFP4's ``[bn]`` f32 partial
-    scale)."""
+    scale; none with the rows' ``top`` bytes, ``_mx_row_top_jnp``)."""
     size = _group_size(fmt)
 
     def per_column(f):  # [bn, groups] -> [bn, bk] in operand order
@@ -701,6 +727,8 @@ def _fp4_factors_jnp(s, *, fmt: str):
     if fmt == "nvfp4":
         return (per_column(s.astype(jnp.float16)),)
     s = s.astype(jnp.int32)
+    if top is not None:
+        return (per_column(e8m0_step_to_f16(s - top[:, None])),)
     top = jnp.max(s, axis=1)
     return (per_column(e8m0_step_to_f16(s - top[:, None])),
             e8m0_to_f32(jnp.minimum(top + _PLACEMENT, 255)))
@@ -798,21 +826,30 @@ def _row_bias_inline(bias_ref, first):
     return load(bias_ref, jnp.asarray(first, jnp.int32))
 
 
+def _own_mx_groups(bk: int) -> int:
+    """E8M0 bytes of its own a thread reads a row a K step (``MX_ROW_MAX``): the groups of 32
+    its ``bk / 4`` columns from ``c bk / 4`` meet (2 at 192 and 256, else 1)."""
+    return 2 if bk > 128 else 1
+
+
 def _fp4_scale_bits_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
     """Step ``kb``'s scale bytes of a thread's two rows, as loaded (a tuple of ``[bn]`` f32
     carriers holding i32 bits, one a 32-bit word; ``_fp4_factors_inline`` makes the factors):
     NVFP4 the e4m3 bytes of the thread's own groups (1, 2, 3 or 4 at ``bk`` = 64, 128, 192,
-    256), MXFP4 every E8M0 byte of the step (its max is needed: 2, 4, 6 or 8). The loads are
-    as wide as the row stride and the byte count allow (up to 8 bytes; gpt-oss's 90-byte MXFP4
-    rows: 2). ``scale_ref [E, N, K / 16 | K / 32]``, ``row0 = e * N + n0``."""
+    256), MXFP4 those of its own groups (``MX_ROW_MAX``: ``_own_mx_groups``, from the group of
+    its first column) or every E8M0 byte of the step (its max is needed: 2, 4, 6 or 8). The
+    loads are as wide as the row stride, the byte count and the offsets allow (up to 8 bytes;
+    gpt-oss's 90-byte MXFP4 rows: 2). ``scale_ref [E, N, K / 16 | K / 32]``, ``row0 = e * N +
+    n0``."""
     bn, bk = BLOCK_N, tile.block_k
     groups = bk // _group_size(fmt)  # a row's bytes a step
-    nbytes = groups if fmt == "mxfp4" else groups // 4  # the bytes a thread loads a row
+    own = fmt == "mxfp4" and MX_ROW_MAX
+    nbytes = _own_mx_groups(bk) if own else groups if fmt == "mxfp4" else groups // 4
     words = -(-nbytes // 4)
     stride = scale_ref.shape[-1]
     unit = 8  # bytes a load: a power of two dividing the row stride and nbytes (and so the
-    #   step's and, NVFP4, the thread's offset)
-    while stride % unit or nbytes % unit:
+    #   step's and, NVFP4, the thread's offset; MXFP4's own bytes start at 2c only at 256)
+    while stride % unit or nbytes % unit or (own and bk != 256 and unit > 1):
         unit //= 2
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT,
@@ -830,6 +867,8 @@ def _fp4_scale_bits_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
             at = arith.addi(arith.muli(r, _i32(stride)), first_col.registers.item())
             if fmt == "nvfp4":  # the thread's first group: quad * (bk / 4) / 16
                 at = arith.addi(at, arith.muli(quad, _i32(bk // 64)))
+            elif own:  # the group of its first column: quad * (bk / 4) / 32
+                at = arith.addi(at, arith.divui(arith.muli(quad, _i32(bk // 4)), _i32(32)))
             half = [None] * words
             for j in range(nbytes // unit):
                 here = arith.addi(at, _i32(j * unit)) if j else at
@@ -858,21 +897,24 @@ def _factor_slots(bk: int) -> int:
     return max(bk // 64, 2)
 
 
-def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile):
+def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile, top=None):
     """A step's factors from its scale bytes (``_fp4_scale_bits_inline``), per thread: a
     ``[bn, 8 * slots]`` f16 WGMMA-layout array used as a carrier (register ``[.., s, .., i,
     ..]`` = the factor of the thread's row half ``i`` and words ``2s, 2s + 1`` of its codes;
-    not a logical array) and, for MXFP4, the rows' ``[bn]`` f32 partial scale."""
+    not a logical array) and, for MXFP4, the rows' ``[bn]`` f32 partial scale, unless ``top``
+    (``_mx_row_top_inline``'s carrier) gives each row's largest byte of the program."""
     bn, bk = BLOCK_N, tile.block_k
     size = _group_size(fmt)
     slots = _factor_slots(bk)
     used = bk // 64  # slots holding words (bk = 64: 2 words, slot 0)
     mx = fmt == "mxfp4"
+    partial = mx and top is None
     ret = (plgpu.ShapeDtypeStruct((bn, 8 * slots), jnp.float16, layout=plgpu.Layout.WGMMA),)
-    if mx:
+    if partial:
         ret += (plgpu.ShapeDtypeStruct((bn,), jnp.float32, layout=_ROW_CARRIER),)
+    tops = () if top is None else (top,)
 
-    @plgpu.inline_mgpu(arg_types=(_ROW_CARRIER,) * len(bits), return_type=ret)
+    @plgpu.inline_mgpu(arg_types=(_ROW_CARRIER,) * (len(bits) + len(tops)), return_type=ret)
     def convert(_, *carriers):
         i16, i32 = (ir.IntegerType.get_signless(b) for b in (16, 32))
         _, _, _, quad = _thread_rows()
@@ -880,7 +922,7 @@ def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile):
         factors = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, 8 * slots)), object)
         row_scales = []
         for i in range(2):  # row half
-            words = [_row_bits(c, i) for c in carriers]
+            words = [_row_bits(c, i) for c in carriers[:len(bits)]]
             if not mx:  # e4m3 bytes of the thread's groups, in order: two a cvt
                 per_slot = []
                 for half in range(-(-used // 2)):
@@ -889,12 +931,13 @@ def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile):
                                               arith.trunci(i16, pair), result_types=i32)
                     per_slot += [_splat_f16x2(f, 0), _splat_f16x2(f, 1)]
                 per_slot = per_slot[:used]
-            else:  # the step's max E8M0 byte, then each slot's own group's
-                top = _i32(0)
-                for word in words:
-                    for b in range(4):
-                        byte = arith.andi(arith.shrui(word, _i32(8 * b)), _i32(0xFF))
-                        top = arith.maxui(top, byte)
+            else:  # the step's (or the row's) max E8M0 byte, then each slot's own group's
+                if partial:
+                    top_ = _i32(0)
+                    for word in words:
+                        top_ = _bytes_max(top_, word)
+                else:
+                    top_ = _row_bits(carriers[-1], i)
                 per_slot, made = [], {}
                 for slot in range(used):
                     # where the thread's columns start a group (bk = 128, 256), slots 2g and
@@ -902,6 +945,8 @@ def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile):
                     key = (16 * slot) // size if (bk // 4) % size == 0 else slot
                     if key not in made:  # the group of the slot's first column
                         idx = arith.divui(arith.addi(first, _i32(16 * slot)), _i32(size))
+                        if not partial:  # the thread's own bytes, from its first column's
+                            idx = arith.subi(idx, arith.divui(first, _i32(size)))
                         word = words[0]
                         if len(words) > 1:  # byte idx of the two words
                             word = arith.select(
@@ -912,22 +957,104 @@ def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile):
                                           _i32(0xFF))
                         # 2^(mine - top) <= 1 as f32 (0 below 2^-126), rounded to f16 by cvt:
                         # the f16 of e8m0_step_to_f16 (subnormal down to 2^-24, 0 below)
-                        exp = arith.maxsi(arith.addi(arith.subi(mine, top), _i32(127)),
+                        exp = arith.maxsi(arith.addi(arith.subi(mine, top_), _i32(127)),
                                           _i32(0))
                         f32 = arith.bitcast(ir.F32Type.get(), arith.shli(exp, _i32(23)))
                         f16 = arith.truncf(ir.F16Type.get(), f32)
                         made[key] = _splat_f16x2(arith.extui(i32, arith.bitcast(i16, f16)))
                     per_slot.append(made[key])
-                row_scales.append(arith.shli(arith.minui(arith.addi(top, _i32(_PLACEMENT)),
-                                                         _i32(255)), _i32(23)))  # 2^(s_max-127+P)
+                if partial:  # 2^(s_max - 127 + P)
+                    row_scales.append(_row_factor_bits(top_))
             per_slot += [per_slot[0]] * (slots - len(per_slot))  # unused slots: any value
             for s_, f in enumerate(per_slot):
                 factors[0, s_, 0, 0, i, 0, 0, 0, 0] = f
         out = (mgpu.FragmentedArray(_registers=factors, _layout=mgpu.WGMMA_LAYOUT,
                                     _is_signed=None),)
-        return out + ((_row_carrier(row_scales),) if mx else ())
+        return out + ((_row_carrier(row_scales),) if partial else ())
 
-    return convert(*bits)
+    return convert(*bits, *tops)
+
+
+def _bytes_max(top, word, nbytes: int = 4):
+    """The largest of i32 ``top`` and the ``nbytes`` low bytes of i32 ``word`` (unsigned)."""
+    for b in range(nbytes):
+        top = arith.maxui(top, arith.andi(arith.shrui(word, _i32(8 * b)), _i32(0xFF)))
+    return top
+
+
+def _row_factor_bits(top):
+    """i32 E8M0 byte ``top`` -> the f32 bits of ``2^(top - 127 + PLACEMENT)`` (inf past 254)."""
+    return arith.shli(arith.minui(arith.addi(top, _i32(_PLACEMENT)), _i32(255)), _i32(23))
+
+
+def _mx_row_top_inline(scale_ref, row0, first_group, *, groups: int, step_groups: int):
+    """MXFP4 (``MX_ROW_MAX``): the largest E8M0 byte of each of a thread's two rows over the
+    program's ``groups`` bytes of them from ``first_group`` (a multiple of ``step_groups``, a K
+    step's): a ``[bn]`` carrier of i32 bits (``_mx_row_factor_inline`` makes the factor). The
+    four threads of a quad (which hold the same rows) take every fourth load (as wide as the
+    row stride and the counts allow, up to 8 bytes; past the last load, the last again) and
+    meet by two butterfly shuffles. ``row0 = e * N + n0``."""
+    bn = BLOCK_N
+    stride = scale_ref.shape[-1]
+    unit = 8
+    while stride % unit or groups % unit or step_groups % unit:
+        unit //= 2
+    loads = groups // unit
+    carrier = plgpu.ShapeDtypeStruct((bn,), jnp.float32, layout=_ROW_CARRIER)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT,
+                                  plgpu.Layout.WG_SPLAT), return_type=carrier)
+    def load(_, ref, first_row, first_col):
+        i32 = ir.IntegerType.get_signless(32)
+        row, _, _, quad = _thread_rows()
+        ptr = mgpu.utils.memref_ptr(ref)
+        tops = []
+        for i in range(2):  # row half
+            r = arith.addi(first_row.registers.item(), arith.addi(row, _i32(8 * i)))
+            at = arith.addi(arith.muli(r, _i32(stride)), first_col.registers.item())
+            top = _i32(0)
+            for m in range(-(-loads // 4)):
+                j = arith.minui(arith.addi(quad, _i32(4 * m)), _i32(loads - 1))
+                here = arith.addi(at, arith.muli(j, _i32(unit)))
+                if unit == 8:
+                    vec = _load(ptr, here, ir.VectorType.get((2,), i32))
+                    words = [vector.extract(vec, dynamic_position=[],
+                                            static_position=ir.DenseI64ArrayAttr.get([w]))
+                             for w in range(2)]
+                else:
+                    word = _load(ptr, here, ir.IntegerType.get_signless(8 * unit))
+                    words = [word if unit == 4 else arith.extui(i32, word)]
+                for word in words:
+                    top = _bytes_max(top, word, min(unit, 4))
+            for d in (1, 2):  # the quad's lanes
+                top = arith.maxui(top, mgpu.utils.shfl_bfly(top, d))
+            tops.append(top)
+        return _row_carrier(tops)
+
+    return load(scale_ref, jnp.asarray(row0, jnp.int32), jnp.asarray(first_group, jnp.int32))
+
+
+def _mx_row_factor_inline(top):
+    """``_mx_row_top_inline``'s carrier -> the rows' ``2^(top - 127 + PLACEMENT)`` (``[bn]``
+    f32), made after the K steps (two registers fewer live through them)."""
+
+    @plgpu.inline_mgpu(arg_types=(_ROW_CARRIER,), return_type=plgpu.ShapeDtypeStruct(
+        (BLOCK_N,), jnp.float32, layout=_ROW_CARRIER))
+    def factor(_, carrier):
+        return _row_carrier([_row_factor_bits(_row_bits(carrier, i)) for i in range(2)])
+
+    return factor(top)
+
+
+def _mx_row_top_jnp(scale_ref, e, n0, first_group, *, groups: int):
+    """Interpret mode's ``_mx_row_top_inline``: ``[bn]`` int32."""
+    return jnp.max(scale_ref[e, pl.ds(n0, BLOCK_N), pl.ds(first_group, groups)].astype(jnp.int32),
+                   axis=1)
+
+
+def _mx_row_factor_jnp(top):
+    """Interpret mode's ``_mx_row_factor_inline``."""
+    return e8m0_to_f32(jnp.minimum(top + _PLACEMENT, 255))
 
 
 def _fp4_word_to_f16x2(word):
