@@ -853,6 +853,11 @@ class TestLowersForHopper:
     def test_lowers(self, fmt, n, k, k_splits):
         """Main stack and a folded one-expert extra stack, as the decode step launches them,
         with the epilogue's row factors (f16 activations) and a bf16 bias."""
+        self.lower_slot_matmul(fmt, n, k, k_splits)
+
+    @staticmethod
+    def lower_slot_matmul(fmt, n, k, k_splits) -> str:
+        """``test_lowers``' case lowered: the module's text."""
         p, e = 64, 8
         name = format_name(fmt, None)
         w_dtype = {FP8: jnp.float8_e4m3fn, BF16: jnp.bfloat16}.get(fmt, jnp.uint8)
@@ -890,6 +895,20 @@ class TestLowersForHopper:
 
         text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
         assert "mosaic_gpu" in text
+        return text
+
+    def test_pdl_wait_lowers(self, monkeypatch):
+        """``PDL_WAIT``: the three launches' kernel and the one launch begin with
+        griddepcontrol.wait and are marked as PDL kernels (``mosaic_gpu.uses_pdl``); off, not."""
+        def lowered():
+            return (self.lower_slot_matmul(MXFP4, 1536, 2048, 1),
+                    self.lower_one_launch(FP8, 2048, 768, (1, 1), {}))
+
+        for on in (True, False):
+            with mosaic_constants(monkeypatch, PDL_WAIT=on):
+                for text in lowered():
+                    assert ("mosaic_gpu.uses_pdl" in text) == on
+                    assert ("griddepcontrol.wait" in text) == on
 
     @pytest.mark.parametrize("fmt", [FP8, MXFP4], ids=lambda v: v.value)
     def test_epilogue_loads_after_steps_lower(self, monkeypatch, fmt):
@@ -978,6 +997,7 @@ class TestLowersForHopper:
                 jax.ShapeDtypeStruct((rows,), jnp.float32), *specs]
         text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
         assert "mosaic_gpu" in text
+        return text
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
@@ -995,6 +1015,16 @@ def test_compiled_on_gpu_against_reference(fmt, k_splits, t, fused):
     if fused and fmt is BF16:
         pytest.skip("one launch: f16 activations only")
     check_compiled(fmt, k_splits, t, fused, inter=512)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
+@pytest.mark.parametrize("fmt", [FP8, NVFP4, MXFP4], ids=lambda f: f.value)
+@pytest.mark.parametrize("fused", [False, True], ids=["three_launches", "one_launch"])
+def test_compiled_pdl_wait_on_gpu(monkeypatch, fmt, fused):
+    """``PDL_WAIT``: the launches started early by XLA still read their inputs only once the
+    launch before them has written them."""
+    with mosaic_constants(monkeypatch, PDL_WAIT=True):
+        check_compiled(fmt, (1, 1), 9, fused, inter=512)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")

@@ -310,10 +310,23 @@ def _kernel(
     factor_ref = rest.pop(0) if row_factor else None
     bias_ref = rest.pop(0) if bias else None
     o_gmem, *w_stage = rest
+    _pdl_wait(interpret=bool(w_stage))
     split = lax.axis_index("s") if static["k_splits"] > 1 else None
     _matmul_program(work_gmem, a_gmem, stacks, factor_ref, bias_ref, o_gmem,
                     w_stage[0] if w_stage else None, u=lax.axis_index("w"),
                     nt=lax.axis_index("n"), split=split, **static)
+
+
+# The Mosaic launches' first act: griddepcontrol.wait (programmatic dependent launch: a kernel
+# that waits so is marked, and XLA may start its CTAs before the launch ahead of it has
+# finished; the wait holds them until that launch's writes are visible). Nothing the programs
+# read before it comes from an earlier launch. Off until timed on the GPU (NOTES, session 32).
+PDL_WAIT = False
+
+
+def _pdl_wait(interpret: bool) -> None:
+    if PDL_WAIT and not interpret:
+        plgpu.griddepcontrol_wait()
 
 
 def _split_stacks(refs, fmt: str, num_stacks: int):
@@ -1654,6 +1667,7 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
     dn_bias = rest.pop(0) if down_bias else None
     gu_o, h_o, hf_o, y_o, *rest = rest
     tl_o = rest.pop(0) if timeline else None
+    _pdl_wait(interpret=bool(rest))
     stages = rest or (None, None)
     w = work_gmem.shape[1]
     nt_gu, nt_down = gu_o.shape[1] // BLOCK_N, y_o.shape[1] // BLOCK_N
