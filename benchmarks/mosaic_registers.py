@@ -20,8 +20,9 @@ dumps each kernel's PTX, assembles it with ``ptxas -arch=sm_90a`` and disassembl
 lists its loops (the bodies of backward branches) of 20 instructions or more: their length
 and most frequent opcodes, e.g. the FP4 K-step loop's conversion against its fixed costs.
 
-Cases: ``{qwen3,gptoss}-{fp8,nvfp4,mxfp4}`` (Qwen3-30B-A3B, gpt-oss-120b; 64 pairs); each row
-of the table is the one-launch kernel (``slot_mlp``) and the two ``slot_matmul`` kernels.
+Cases: ``{qwen3,gptoss,deepseek}-{fp8,nvfp4,mxfp4}`` (Qwen3-30B-A3B, gpt-oss-120b,
+DeepSeek-V3; 64 pairs); each row of the table is the one-launch kernel (``slot_mlp``) and the
+two ``slot_matmul`` kernels.
 ``--set NAME=VALUE`` sets a ``pallas_kernels.moe_decode.mosaic`` constant first.
 """
 
@@ -69,6 +70,9 @@ CASES = {  # (format, H, I, gate_up kwargs of slot_mlp)
     "gptoss-fp8": ("fp8", 2880, 2880, dict(activation="gpt_oss", layout="interleaved")),
     "gptoss-nvfp4": ("nvfp4", 2880, 2880, dict(activation="gpt_oss", layout="interleaved")),
     "gptoss-mxfp4": ("mxfp4", 2880, 2880, dict(activation="gpt_oss", layout="interleaved")),
+    "deepseek-fp8": ("fp8", 7168, 2048, {}),
+    "deepseek-nvfp4": ("nvfp4", 7168, 2048, {}),
+    "deepseek-mxfp4": ("mxfp4", 7168, 2048, {}),
 }
 KERNELS = ("slot_mlp", "gate_up", "down")
 
