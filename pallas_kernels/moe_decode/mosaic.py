@@ -135,9 +135,10 @@ EPILOGUE_LOADS_AHEAD = True  # the epilogue's row factors and bias loaded before
 SCALE_PREFETCH = 3  # K steps a scale load is issued before its step (1: the step before)
 MX_ROW_MAX = False  # MXFP4: factors against each row's largest scale over the program's K (one
 #   pre-pass; the steps accumulate like NVFP4's), else against each K step's (a partial a step).
-#   Offline SASS, Qwen3 gate_up at windows of 8: the K loop 433 -> 395 instructions, 80 -> 77
-#   registers (NOTES, session 32). Off until it has run compiled on the GPU (built and
-#   tested in interpret mode, lowered and assembled offline only)
+#   Offline SASS at windows of 8, the K loop's instructions and the kernel's registers: Qwen3
+#   gate_up 433 -> 387 and 80 -> 75, gpt-oss 379 -> 332 and 103 -> 93, DeepSeek-V3 82 -> 75
+#   registers (NOTES, session 32). Off until it has run compiled on the GPU (built and tested
+#   in interpret mode, lowered and assembled offline only)
 BLOCK_N = 64  # weight rows a program (the wgmma's M)
 # Items at T tokens (``choose_item_rows``): 1 row at 1 token (windows of 8), aligned items of 8
 # rows at 2-8 tokens and where the routed rows an expert are few (windows of 8; BF16 16), else
@@ -469,7 +470,7 @@ def _matmul_program(
             factors_of = functools.partial(_fp4_factors_inline, fmt=fmt, tile=tile)
             operands_of = functools.partial(_fp4_operands_inline, tile=tile)
         row_max = fmt == "mxfp4" and MX_ROW_MAX
-        if row_max:  # each row's largest scale over this program's K steps, and its factor
+        if row_max:  # each row's largest scale over this program's K steps
             step_groups = bk // 32
             span = dict(groups=num_steps * step_groups)
             first_group = at(0) * step_groups
@@ -743,8 +744,7 @@ def _fp4_factors_jnp(s, *, fmt: str, top=None):
     if top is not None:
         return (per_column(e8m0_step_to_f16(s - top[:, None])),)
     top = jnp.max(s, axis=1)
-    return (per_column(e8m0_step_to_f16(s - top[:, None])),
-            e8m0_to_f32(jnp.minimum(top + _PLACEMENT, 255)))
+    return per_column(e8m0_step_to_f16(s - top[:, None])), _mx_row_factor_jnp(top)
 
 
 def _e2m1_as_e4m3(codes):
@@ -1066,7 +1066,7 @@ def _mx_row_top_jnp(scale_ref, e, n0, first_group, *, groups: int):
 
 
 def _mx_row_factor_jnp(top):
-    """Interpret mode's ``_mx_row_factor_inline``."""
+    """Interpret mode's ``_mx_row_factor_inline`` (and the per-step partial's factor)."""
     return e8m0_to_f32(jnp.minimum(top + _PLACEMENT, 255))
 
 
