@@ -952,14 +952,15 @@ class TestLowersForHopper:
     def test_one_launch_lowers(self, fmt, h, inter, k_splits, variant):
         self.lower_one_launch(fmt, h, inter, k_splits, variant)
 
-    @pytest.mark.parametrize("rows,chunk,keep", [(4, 4, 8), (2, 4, 0), (16, 2, 8), (4, 4, 0)])
+    @pytest.mark.parametrize("rows,chunk,keep,roll", [(4, 4, 8, 1), (2, 4, 0, 1), (16, 2, 8, 1),
+                                                     (4, 4, 0, 1), (1, 2, 8, 6), (1, 2, 0, 5)])
     @pytest.mark.parametrize("fmt", [FP8, MXFP4], ids=lambda v: v.value)
-    def test_h_program_variants_lower(self, monkeypatch, fmt, rows, chunk, keep):
+    def test_h_program_variants_lower(self, monkeypatch, fmt, rows, chunk, keep, roll):
         """The h program's variants (rows a program: a row over several warps takes an SMEM
-        step; 8- or 16-byte chunks; values kept or recomputed) for Qwen3's and gpt-oss's
-        rows."""
+        step; 8- or 16-byte chunks; values kept or recomputed in rolled loops) for Qwen3's and
+        gpt-oss's rows."""
         with mosaic_constants(monkeypatch, H_PROGRAM_ROWS=rows, H_CHUNK=chunk,
-                              H_KEEP_CHUNKS=keep):
+                              H_KEEP_CHUNKS=keep, H_ROLL=roll):
             if fmt is FP8:
                 self.lower_one_launch(FP8, 2048, 768, (1, 1), {})
             else:
@@ -1072,16 +1073,19 @@ def check_compiled(fmt, k_splits, t: int, fused: bool, *, inter: int,
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
-@pytest.mark.parametrize("rows,chunk,keep", [(1, 4, 16), (2, 2, 0), (4, 4, 8), (16, 2, 16)])
+@pytest.mark.parametrize("rows,chunk,keep,roll", [(1, 4, 16, 1), (2, 2, 0, 1), (4, 4, 8, 1),
+                                                 (16, 2, 16, 1), (1, 2, 0, 3), (2, 4, 0, 2)])
 @pytest.mark.parametrize("fmt,inter,variant", [
     (FP8, 448, ()),  # SiLU, concatenated; rows of 448: chunks past the row's end
     (MXFP4, 512, (("activation", "gpt_oss"), ("gate_up_layout", "interleaved")))],
     ids=["fp8", "mxfp4"])
-def test_compiled_h_program_variants_on_gpu(monkeypatch, rows, chunk, keep, fmt, inter,
+def test_compiled_h_program_variants_on_gpu(monkeypatch, rows, chunk, keep, roll, fmt, inter,
                                             variant):
     """The one launch's compiled h program in its shapes (rows a program: a row over several
-    warps takes an SMEM step; 8- or 16-byte chunks; values kept or recomputed)."""
-    with mosaic_constants(monkeypatch, H_PROGRAM_ROWS=rows, H_CHUNK=chunk, H_KEEP_CHUNKS=keep):
+    warps takes an SMEM step; 8- or 16-byte chunks; values kept, or recomputed in rolled loops
+    of ``roll`` chunks an iteration, the last iteration's chunks past a thread's)."""
+    with mosaic_constants(monkeypatch, H_PROGRAM_ROWS=rows, H_CHUNK=chunk, H_KEEP_CHUNKS=keep,
+                          H_ROLL=roll):
         check_compiled(fmt, (1, 1), 12, True, inter=inter, variant=variant)
 
 

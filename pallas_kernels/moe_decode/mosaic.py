@@ -1416,6 +1416,13 @@ FUSE_MLP_TOKENS = (8, 32)
 H_PROGRAM_ROWS = 1  # rows of an h program (1, 2, 4, 8 or 16): cdiv(rows, this) an item
 H_CHUNK = 2  # h columns a thread of the h program loads at a time (2 or 4: 8- or 16-byte loads)
 H_KEEP_CHUNKS = 16  # chunks a thread keeps in registers between the max and the stores
+# Past H_KEEP_CHUNKS the two passes (max, stores) recompute the chunks in rolled loops of H_ROLL
+# chunks an iteration (their loads in flight together): registers against L2 round trips.
+# Offline ptxas, the one launch at windows of 8 with H_KEEP_CHUNKS=8 and H_ROLL 1 to 6
+# (gpt-oss's 12 chunks a thread rolled; Qwen3's 3 still kept): gpt-oss FP8 115 -> 69 registers
+# (its matmuls' 66), NVFP4 109 -> 93, MXFP4 109 -> 104 (95 with MX_ROW_MAX); at 12 (one
+# iteration) 110. Not timed on the GPU: NOTES, session 32.
+H_ROLL = 6
 FUSED_WAIT = True  # False: the programs skip their waits (wrong results: timing only)
 
 
@@ -1497,7 +1504,8 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, spli
     thread ``t`` takes chunks of ``H_CHUNK`` columns ``t, t + lanes, ...``, loaded straight from
     global memory (L2; no SMEM), all in flight at once; the row's max |h| by shuffles (and,
     rows wider than a warp, through ``red_ref [4]`` f32 SMEM). The values stay in registers
-    up to ``H_KEEP_CHUNKS`` chunks a thread (else a second pass recomputes them). FP4
+    up to ``H_KEEP_CHUNKS`` chunks a thread (else both passes recompute them, in rolled loops
+    of ``H_ROLL`` chunks an iteration, so only those chunks' loads hold registers). FP4
     (``block_k``): the columns in the operand order, each h column's gate and up by scalar
     loads."""
     inter = gu_ref.shape[1] // 2
@@ -1507,6 +1515,7 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, spli
     chunks = inter // per  # a row's
     lane_chunks = -(-chunks // lanes)
     keep = lane_chunks <= H_KEEP_CHUNKS
+    rolls = -(-lane_chunks // H_ROLL)  # iterations of the recomputing passes' rolled loops
     interleaved = layout is GateUpLayout.INTERLEAVED
     refs = (gu_ref, h_ref, hf_ref) + ((red_ref,) if warps_a_row > 1 else ())
 
@@ -1533,10 +1542,12 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, spli
 
         def h_values(i):
             """(first column, the thread's ``per`` h values (f32, rounded to bf16), in range)
-            of its chunk i (past the row: chunk 0's, out of range; None: always in range)."""
-            c = arith.addi(lane, _i32(lanes * i))
+            of its chunk i (past the row: chunk 0's, out of range; None: always in range); ``i``
+            an int, or an i32 of a rolled loop (in range checked)."""
+            rolled = not isinstance(i, int)
+            c = arith.addi(lane, arith.muli(i, _i32(lanes)) if rolled else _i32(lanes * i))
             ok = None
-            if (i + 1) * lanes > chunks:  # some thread's chunk past the row
+            if rolled or (i + 1) * lanes > chunks:  # some thread's chunk past the row
                 ok = arith.cmpi(arith.CmpIPredicate.ult, c, _i32(chunks))
                 c = arith.select(ok, c, _i32(0))
             pos0 = arith.muli(c, _i32(per))
@@ -1560,13 +1571,26 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, spli
                 g, u, activation, limit, alpha))) for g, u in pairs]
             return pos0, vals, ok
 
-        kept = [h_values(i) for i in range(lane_chunks)] if keep else None
-        amax = _f32c(0.0)
-        for i in range(lane_chunks):
-            _, vals, ok = kept[i] if keep else h_values(i)
+        def chunk_max(amax, vals, ok):
             for v in vals:
                 a = mlir_math.absf(v)
                 amax = arith.maximumf(amax, a if ok is None else arith.select(ok, a, _f32c(0)))
+            return amax
+
+        kept = [h_values(i) for i in range(lane_chunks)] if keep else None
+        amax = _f32c(0.0)
+        if keep:
+            for _, vals, ok in kept:
+                amax = chunk_max(amax, vals, ok)
+        else:  # a rolled loop: H_ROLL chunks' loads in flight at a time (registers)
+            @mgpu.utils.fori(_i32(rolls), amax)
+            def amax(i, amax):
+                for j in range(H_ROLL):
+                    _, vals, ok = h_values(arith.addi(arith.muli(i, _i32(H_ROLL)), _i32(j)))
+                    amax = chunk_max(amax, vals, ok)
+                return amax
+
+            amax = amax.result
         d = min(lanes, 32) // 2
         while d:  # the row's lanes of a warp
             amax = arith.maximumf(amax, mgpu.utils.shfl_bfly(amax, d))
@@ -1586,17 +1610,26 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, spli
         e = arith.minsi(arith.maxsi(e, _i32(11)), _i32(254))
         up = arith.bitcast(f32, arith.shli(arith.subi(_i32(264), e), _i32(23)))
         down = arith.bitcast(f32, arith.shli(arith.subi(e, _i32(10)), _i32(23)))
-        with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.ult, r, count_.registers.item())):
-            for i in range(lane_chunks):
-                pos0, vals, ok = kept[i] if keep else h_values(i)
-                f16 = [arith.truncf(ir.F16Type.get(), arith.mulf(v, up)) for v in vals]
-                packed = vector.from_elements(ir.VectorType.get((per,), ir.F16Type.get()), f16)
-                at = arith.muli(arith.addi(arith.muli(row, _i32(inter)), pos0), _i32(2))
-                if ok is None:
+        def store(pos0, vals, ok):
+            f16 = [arith.truncf(ir.F16Type.get(), arith.mulf(v, up)) for v in vals]
+            packed = vector.from_elements(ir.VectorType.get((per,), ir.F16Type.get()), f16)
+            at = arith.muli(arith.addi(arith.muli(row, _i32(inter)), pos0), _i32(2))
+            if ok is None:
+                llvm.store(packed, _gep(h_ptr, at))
+            else:
+                with mgpu.utils.when(ok):
                     llvm.store(packed, _gep(h_ptr, at))
-                else:
-                    with mgpu.utils.when(ok):
-                        llvm.store(packed, _gep(h_ptr, at))
+
+        with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.ult, r, count_.registers.item())):
+            if keep:
+                for chunk in kept:
+                    store(*chunk)
+            else:
+                @mgpu.utils.fori(_i32(rolls), ())
+                def _(i, carry):
+                    for j in range(H_ROLL):
+                        store(*h_values(arith.addi(arith.muli(i, _i32(H_ROLL)), _i32(j))))
+                    return carry
             with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.eq, lane, _i32(0))):
                 llvm.store(down, _gep(hf_ptr, arith.muli(row, _i32(4))))
         mgpu.utils.warpgroup_barrier()  # every thread's stores before the caller's release
