@@ -469,8 +469,10 @@ def _matmul_program(
                                         e * scale_ref.shape[1] + n0, fmt=fmt, tile=tile)
             factors_of = functools.partial(_fp4_factors_inline, fmt=fmt, tile=tile)
             operands_of = functools.partial(_fp4_operands_inline, tile=tile)
+        first, advance = ahead(lambda kb: bits_of(at(kb)))
         row_max = fmt == "mxfp4" and MX_ROW_MAX
-        if row_max:  # each row's largest scale over this program's K steps
+        if row_max:  # each row's largest scale over this program's K steps (after the first
+            #   steps' scale loads are issued: their latency overlaps the pre-pass's)
             step_groups = bk // 32
             span = dict(groups=num_steps * step_groups)
             first_group = at(0) * step_groups
@@ -480,7 +482,6 @@ def _matmul_program(
                 top = _mx_row_top_inline(scale_ref, e * scale_ref.shape[1] + n0, first_group,
                                          step_groups=step_groups, **span)
             factors_of = functools.partial(factors_of, top=top)
-        first, advance = ahead(lambda kb: bits_of(at(kb)))
 
         # compiled steps of 256 as FP4_PARTS wgmmas in turn, the operand's registers reused:
         # two of 128: ptxas 121 -> 80 registers (Qwen3 NVFP4), 132 -> 105 (MXFP4); H200, MXFP4
