@@ -722,12 +722,16 @@ def extra_case(fmt, t: int):
     return kw, extra_kw, extra, x_rows(t), ids
 
 
-@pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4], ids=lambda f: f.value)
-def test_extra_stack(fmt):
-    """A shared expert folded in as expert id E (every token), and routed pairs beside it."""
+@pytest.mark.parametrize("fmt,row_max", [(FP8, False), (BF16, False), (NVFP4, False),
+                                         (MXFP4, True)], ids=["fp8", "bf16", "nvfp4",
+                                                              "mxfp4-row_max"])
+def test_extra_stack(monkeypatch, fmt, row_max):
+    """A shared expert folded in as expert id E (every token), and routed pairs beside it
+    (MXFP4 with ``MX_ROW_MAX``: the extra stack's own scales' row tops)."""
     kw, extra_kw, extra, x, ids = extra_case(fmt, 5)
     t = 5
-    out = moe_decode_mosaic_pairs(x, ids, interpret=True, extra=extra, **kw)
+    with mosaic_constants(monkeypatch, MX_ROW_MAX=row_max):
+        out = moe_decode_mosaic_pairs(x, ids, interpret=True, extra=extra, **kw)
     ref = moe_decode_pairs_reference(x, ids[:, :2], h_dtype=jnp.bfloat16, **kw)
     ref_shared = moe_decode_pairs_reference(x, jnp.zeros((t, 1), jnp.int32),
                                             h_dtype=jnp.bfloat16, **extra_kw)
