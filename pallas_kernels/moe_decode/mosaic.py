@@ -742,10 +742,11 @@ def _fp4_factors_jnp(s, *, fmt: str, top=None):
     if fmt == "nvfp4":
         return (per_column(s.astype(jnp.float16)),)
     s = s.astype(jnp.int32)
-    if top is not None:
-        return (per_column(e8m0_step_to_f16(s - top[:, None])),)
-    top = jnp.max(s, axis=1)
-    return per_column(e8m0_step_to_f16(s - top[:, None])), _mx_row_factor_jnp(top)
+    partial = top is None  # against the step's own largest scale
+    if partial:
+        top = jnp.max(s, axis=1)
+    factors = (per_column(e8m0_step_to_f16(s - top[:, None])),)
+    return factors + ((_mx_row_factor_jnp(top),) if partial else ())
 
 
 def _e2m1_as_e4m3(codes):
