@@ -212,6 +212,19 @@ def test_compiled_fp4_parts(monkeypatch, fmt, parts, item_rows, k, k_splits):
                           item_rows=item_rows, bias_dtype=jnp.float32)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
+@pytest.mark.parametrize("row_max", [False, True])
+@pytest.mark.parametrize("item_rows,k,k_splits", [(8, 960, 1), (16, 2880, 3), (1, 576, 1)])
+def test_compiled_fp4_parts_192(monkeypatch, fmt, row_max, item_rows, k, k_splits):
+    """A compiled FP4 K step of 192 dotted as three wgmmas of 64 (``FP4_PARTS_192``: one
+    8-byte code load a row a part; MXFP4's 32-column groups span two parts), with either MXFP4
+    factor rule."""
+    with mosaic_constants(monkeypatch, FP4_PARTS_192=3, MX_ROW_MAX=row_max):
+        check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, block_k=192,
+                          item_rows=item_rows, bias_dtype=jnp.float32)
+
+
 @pytest.mark.parametrize("fmt", [FP8, BF16], ids=lambda f: f.value)
 @pytest.mark.parametrize("k,k_splits", [(192, 1), (192, 2), (320, 3)])  # 128 + 64; 2 x 128 + 64
 def test_slot_matmul_ragged_k(fmt, k, k_splits):
@@ -930,6 +943,19 @@ class TestLowersForHopper:
         with mosaic_constants(monkeypatch, FP4_PARTS=3), pytest.raises(
                 ValueError, match="3 parts of a K step of 256"):
             self.test_lowers(fmt, 1536, 2048, 1)
+
+    @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda v: v.value)
+    def test_fp4_parts_192_lower(self, monkeypatch, fmt):
+        """gpt-oss's K steps of 192 dotted as three wgmmas (``FP4_PARTS_192``), in its three
+        launches and its one launch; two parts (12 bytes of a thread's row) are refused."""
+        with mosaic_constants(monkeypatch, FP4_PARTS_192=3, MX_ROW_MAX=fmt is MXFP4,
+                              H_KEEP_CHUNKS=8):
+            self.lower_slot_matmul(fmt, 5760, 2880, 3)
+            self.lower_one_launch(fmt, 2880, 2880, (1, 1), dict(
+                activation="gpt_oss", layout="interleaved", limit=7.0, rows=8))
+        with mosaic_constants(monkeypatch, FP4_PARTS_192=2), pytest.raises(
+                ValueError, match="2 parts of a K step of 192"):
+            self.test_lowers(fmt, 5760, 2880, 1)
 
     @pytest.mark.parametrize("n,k,k_splits", [(1536, 2048, 1), (5760, 2880, 1),
                                               (2880, 2880, 3), (2048, 768, 3)])

@@ -128,6 +128,10 @@ NUM_STAGES_WIDE = 2  # the same for FP4 steps of 192 / 256 (20 / 16 / 12 KB a st
 #   tokens +7% / +10% busy, MXFP4 +2.5% / +4%, session 30)
 FP4_PARTS = 2  # wgmmas an FP4 K step of 256 is dotted in (1, 2 or 4; compiled only; 4: fewer
 #   registers, one more CTA an SM, yet +2.5-3% on Qwen3 NVFP4 on the H200: NOTES, session 28)
+FP4_PARTS_192 = 1  # the same for steps of 192 (gpt-oss's K of 2880; 1 or 3). 3 (parts of 64):
+#   offline ptxas at windows of 8 (16), with MX_ROW_MAX and H_KEEP_CHUNKS=8, gpt-oss MXFP4 gate_up
+#   93 -> 64 registers (100 -> 72), the one launch 95 -> 68 (103 -> 72): 5 -> 7 CTAs an SM, for
+#   +7% K-loop instructions (two more wgmma waits a step). Untimed (NOTES, session 33)
 EPILOGUE_LOADS_AHEAD = True  # the epilogue's row factors and bias loaded before the K steps
 #   (False: after them: ptxas 83 -> 79 registers for Qwen3 MXFP4 at windows of 8, 83 -> 78 FP8 at
 #   16, a CTA more an SM each; H200: Qwen3 MXFP4 8 tokens -2.9% busy, gpt-oss MXFP4 1 token
@@ -483,10 +487,10 @@ def _matmul_program(
                                          step_groups=step_groups, **span)
             factors_of = functools.partial(factors_of, top=top)
 
-        # compiled steps of 256 as FP4_PARTS wgmmas in turn, the operand's registers reused:
-        # two of 128: ptxas 121 -> 80 registers (Qwen3 NVFP4), 132 -> 105 (MXFP4); H200, MXFP4
-        # 8 / 64 tokens -4.5% / -3%, NVFP4 even (NOTES, session 24)
-        parts = FP4_PARTS if bk == 256 and not stage_w else 1
+        # compiled steps of 256 as FP4_PARTS wgmmas in turn (192: FP4_PARTS_192), the operand's
+        # registers reused: two of 128: ptxas 121 -> 80 registers (Qwen3 NVFP4), 132 -> 105
+        # (MXFP4); H200, MXFP4 8 / 64 tokens -4.5% / -3%, NVFP4 even (NOTES, session 24)
+        parts = 1 if stage_w else {256: FP4_PARTS, 192: FP4_PARTS_192}.get(bk, 1)
 
         def step_operand(kb, w_smem, queue):
             """(this step's operand, its factors, the queue of the steps after it)."""
@@ -1099,9 +1103,9 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile, part: int = 0, part
     thread's words of that part: its loads of that part's bytes)."""
     bn, bk = BLOCK_N, tile.block_k
     per_part = bk // 8 // parts  # bytes a thread reads of a row for one part
-    if parts not in (1, 2, 4) or per_part % 8:
-        raise ValueError(f"{parts} parts of a K step of {bk}: expected 1, 2 or 4 parts of a "
-                         f"multiple of 8 bytes of a thread's row each")
+    if bk // 8 % parts or per_part % 8:
+        raise ValueError(f"{parts} parts of a K step of {bk}: expected parts of a multiple of 8 "
+                         f"bytes of a thread's row each")
     load_bytes = 16 if per_part % 16 == 0 else 8  # SMEM loads of 16 bytes (8 where they must)
     loads = range(part * per_part // load_bytes, (part + 1) * per_part // load_bytes)
     cols = bk // parts
