@@ -1532,7 +1532,9 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, spli
         f32v = ir.VectorType.get((per,), f32)
         tid = arith.remui(mgpu.utils.thread_idx(), _i32(128))
         r, lane = arith.divui(tid, _i32(lanes)), arith.remui(tid, _i32(lanes))
-        row = arith.addi(first_.registers.item(), r)
+        # rows past count (only their threads' loads use them) clamped inside R: the last
+        # item's next row may be R itself
+        row = arith.minui(arith.addi(first_.registers.item(), r), _i32(rows - 1))
         gu_ptr, h_ptr, hf_ptr, *red = (mgpu.utils.memref_ptr(v) for v in mems)
         bases = [arith.muli(arith.addi(row, _i32(s * rows)), _i32(2 * inter * 4))
                  for s in range(splits)]
