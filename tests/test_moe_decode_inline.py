@@ -21,15 +21,16 @@ from pallas_kernels.moe_decode import mosaic
 from pallas_kernels.moe_decode.mosaic import BLOCK_N, SlotTile
 from tests.mgpu_emulator import Memory, emulate, row_values, smem_image, wgmma_matrix
 
-# (K, step): Qwen3's gate_up (2048) and down (768) in steps of 256, gpt-oss's 2880 in 192,
-# DeepSeek-V3's 7168 in 256, and short K in steps of 64 / 128
-CASES = [(2048, 256), (768, 256), (2880, 192), (7168, 256), (512, 128), (512, 64)]
+# (K, step): Qwen3's gate_up (2048) and down (768) in steps of 256, gpt-oss's 2880 in 192 and
+# 320, DeepSeek-V3's 7168 in 256, and short K in steps of 64 / 128 / 320
+CASES = [(2048, 256), (768, 256), (2880, 192), (2880, 320), (7168, 256), (512, 128),
+         (512, 64), (960, 320)]
 EXPERTS, N = 3, 3 * BLOCK_N
 
 
 def _parts(bk: int) -> list[int]:
     """The part counts a step of ``bk`` takes (parts of a multiple of 8 bytes a thread's row)."""
-    return [p for p in (1, 2, 3, 4) if bk // 8 % p == 0 and bk // 8 // p % 8 == 0]
+    return [p for p in (1, 2, 3, 4, 5) if bk // 8 % p == 0 and bk // 8 // p % 8 == 0]
 
 
 def _scales(rng, fmt: str, k: int) -> np.ndarray:
@@ -109,7 +110,8 @@ def test_fp4_operands_inline(emulated, monkeypatch, fmt, k, bk):
 
 @pytest.mark.parametrize("k,bk,first_step,steps", [
     (2048, 256, 0, 8), (2048, 256, 4, 4), (768, 256, 0, 3), (2880, 192, 0, 15),
-    (2880, 192, 5, 5), (2880, 192, 10, 5), (7168, 256, 0, 28), (7168, 256, 14, 14),
+    (2880, 192, 5, 5), (2880, 192, 10, 5), (2880, 320, 0, 9), (2880, 320, 3, 3),
+    (7168, 256, 0, 28), (7168, 256, 14, 14),
     (512, 128, 0, 4), (512, 64, 2, 6)])
 def test_mx_row_top_inline(emulated, k, bk, first_step, steps):
     """The row-max pre-pass (each thread every fourth load of its quad's rows, two butterfly

@@ -146,7 +146,8 @@ def test_compiled_slot_matmul_on_gpu(fmt, k, k_splits):
 
 
 WIDE_FP4_CASES = [(256, 256, 1), (256, 768, 1), (256, 768, 3),  # (block_k, K, k_splits)
-                  (192, 192, 1), (192, 576, 1), (192, 576, 3), (192, 960, 5)]
+                  (192, 192, 1), (192, 576, 1), (192, 576, 3), (192, 960, 5),
+                  (320, 320, 1), (320, 960, 1), (320, 960, 3)]
 
 
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
@@ -156,18 +157,19 @@ def test_slot_matmul_wide_fp4_steps(fmt, block_k, k, k_splits):
     ones; MXFP4's factors against the max of eight scales) and 192 (gpt-oss's K = 2880 is 15
     of them: a thread's 48 columns are three NVFP4 groups, 3 bytes at 3 x its lane, or span
     two E8M0 groups, in a different place for each thread of a quad; MXFP4 rows of K / 32 = 6,
-    18 and 30 scale bytes, 2-byte loads), in one program or one a step."""
+    18 and 30 scale bytes, 2-byte loads) and 320 (``FP4_STEPS``; a thread's 80 columns are
+    five NVFP4 groups or span three E8M0 ones), in one program or one a step."""
     check_slot_matmul(fmt, k, compiled=False, k_splits=k_splits, block_k=block_k)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
 @pytest.mark.parametrize("block_k,k,k_splits", WIDE_FP4_CASES + [
-    (256, 2048, 2), (192, 2880, 1), (192, 2880, 3)])
+    (256, 2048, 2), (192, 2880, 1), (192, 2880, 3), (320, 2880, 3)])
 def test_compiled_slot_matmul_wide_fp4_steps(fmt, block_k, k, k_splits):
     """The compiled wide FP4 steps: at 256 two 16-byte code loads a row, four factor slots,
     two scale words for MXFP4; at 192 96-byte code rows in tiles of the 32-byte swizzle,
-    three 8-byte loads a row."""
+    three 8-byte loads a row; at 320 160-byte rows, five parts of one 8-byte load a row."""
     check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, block_k=block_k)
 
 
@@ -442,7 +444,7 @@ def test_work_items_cut_each_slot_into_chunks(pattern, t, k, item_rows):
     assert (np.diff(istart[live]) > 0).all(), "items in sorted-row order"
 
 
-@pytest.mark.parametrize("block_k", [64, 128, 192, 256])
+@pytest.mark.parametrize("block_k", [64, 128, 192, 256, 320])
 def test_fp4_activation_order(block_k):
     """A permutation of each K step; thread c of a quad reads K columns [c bk/4, (c+1) bk/4)
     (its bytes of the code row): operand h, column 8j + 2c + q is, of its word h // 2, nibble
@@ -498,7 +500,7 @@ def test_slot_matmul_bad_inputs_raise():
         slot_matmul(work, a, w[:, :96], s, fp8_block=FP8_BLOCK)
     with pytest.raises(NotImplementedError, match="FP8 block"):
         slot_matmul(work, a, w, jnp.ones((2, 4, 1)), fp8_block=(32, 128))
-    with pytest.raises(ValueError, match="SlotTile.block_k: expected 64, 128, 192 or 256"):
+    with pytest.raises(ValueError, match="SlotTile.block_k: expected 64, 128, 192, 256 or 320"):
         SlotTile(block_k=32)
     with pytest.raises(NotImplementedError, match="block_k=256 takes NVFP4 or MXFP4 weights"):
         slot_matmul(work, a, w, s, fp8_block=FP8_BLOCK, tile=SlotTile(block_k=256))
@@ -699,7 +701,7 @@ def test_fused_launch_extra_stack_and_bad_inputs():
         slot_mlp(work, a, factor, bf["gate_up"], bf["down"], interpret=True)
 
 
-def test_choose_k_splits():
+def test_choose_k_splits(monkeypatch):
     """More programs along K only while the (item, 64-row) programs stay near 4 an SM (1.25x
     slack), keeping >= 2 K steps a program and dividing the steps."""
     gate_up, down = choose_slot_tile(2048), choose_slot_tile(768)  # Qwen3-30B-A3B
@@ -717,6 +719,10 @@ def test_choose_k_splits():
     assert choose_slot_tile(2880, fmt="mxfp4").block_k == 192
     assert choose_slot_tile(2880, fmt="nvfp4").block_k == 192
     assert choose_slot_tile(320, fmt="nvfp4").block_k == 64
+    # FP4_STEPS in their order: 320 before 192 takes gpt-oss's 2880 in 9 steps
+    monkeypatch.setattr(mosaic, "FP4_STEPS", (256, 320, 192))
+    assert [choose_slot_tile(k, fmt="mxfp4").block_k for k in (2880, 2048, 576)] == [
+        320, 256, 192]
     assert choose_slot_tile(2048, fmt="fp8").block_k == 128
     # 4 stages from 20 K steps of 128 (gpt-oss's 23), 3 below (Qwen3's gate_up 16, down 6)
     assert [choose_slot_tile(k, fmt="fp8").num_stages for k in (2560, 2432, 2048, 768)] == [
@@ -956,6 +962,17 @@ class TestLowersForHopper:
         with mosaic_constants(monkeypatch, FP4_PARTS_192=2), pytest.raises(
                 ValueError, match="2 parts of a K step of 192"):
             self.test_lowers(fmt, 5760, 2880, 1)
+
+    @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda v: v.value)
+    def test_fp4_steps_320_lower(self, monkeypatch, fmt):
+        """gpt-oss's K in 9 steps of 320 (``FP4_STEPS``, five parts of 64), its three launches'
+        gate_up and its one launch, both MXFP4 factor rules."""
+        for row_max in ([False, True] if fmt is MXFP4 else [False]):
+            with mosaic_constants(monkeypatch, FP4_STEPS=(256, 320, 192), MX_ROW_MAX=row_max,
+                                  H_KEEP_CHUNKS=8):
+                self.lower_slot_matmul(fmt, 5760, 2880, 3)
+                self.lower_one_launch(fmt, 2880, 2880, (1, 1), dict(
+                    activation="gpt_oss", layout="interleaved", limit=7.0, rows=8))
 
     @pytest.mark.parametrize("n,k,k_splits", [(1536, 2048, 1), (5760, 2880, 1),
                                               (2880, 2880, 3), (2048, 768, 3)])

@@ -128,6 +128,11 @@ NUM_STAGES_WIDE = 2  # the same for FP4 steps of 192 / 256 (20 / 16 / 12 KB a st
 #   tokens +7% / +10% busy, MXFP4 +2.5% / +4%, session 30)
 FP4_PARTS = 2  # wgmmas an FP4 K step of 256 is dotted in (1, 2 or 4; compiled only; 4: fewer
 #   registers, one more CTA an SM, yet +2.5-3% on Qwen3 NVFP4 on the H200: NOTES, session 28)
+FP4_STEPS = (256, 192)  # FP4 K step widths, the first that divides K (else 128 / 64). 320 (five
+#   parts of 64) takes gpt-oss's 2880 in 9 steps instead of 15 of 192: offline SASS (with
+#   MX_ROW_MAX, FP4_PARTS_192=3), the K loop per code word 29.5 -> 27.2 instructions (MXFP4),
+#   28.4 -> 26.6 (NVFP4), for 64 -> 72 registers (8 -> 7 CTAs an SM). Untimed (NOTES, session
+#   33): the arm is FP4_STEPS=(256,320,192)
 FP4_PARTS_192 = 1  # the same for steps of 192 (gpt-oss's K of 2880; 1 or 3). 3 (parts of 64):
 #   offline ptxas at windows of 8 (16), with MX_ROW_MAX and H_KEEP_CHUNKS=8, gpt-oss MXFP4 gate_up
 #   93 -> 64 registers (100 -> 72), the one launch 95 -> 68 (103 -> 72): 5 -> 7 CTAs an SM, for
@@ -217,9 +222,9 @@ class SlotTile:
     def __post_init__(self):
         if not isinstance(self.rows, int) or not 1 <= self.rows <= ROWS:
             raise ValueError(f"SlotTile.rows: expected an int in [1, {ROWS}], got {self.rows!r}")
-        if self.block_k not in (64, 128, 192, 256):
+        if self.block_k not in (64, 128, 192, 256, 320):
             raise ValueError(
-                f"SlotTile.block_k: expected 64, 128, 192 or 256, got {self.block_k!r}")
+                f"SlotTile.block_k: expected 64, 128, 192, 256 or 320, got {self.block_k!r}")
         if not isinstance(self.num_stages, int) or not 2 <= self.num_stages <= 8:
             raise ValueError(
                 f"SlotTile.num_stages: expected an int in [2, 8], got {self.num_stages!r}")
@@ -229,16 +234,13 @@ def choose_slot_tile(k: int, num_stages: int | None = None, fmt: str | None = No
                      rows: int = ROWS) -> SlotTile:
     """Pure heuristic: K steps of 128 where they divide K, else 64; FP8 and BF16 (``fmt``)
     take steps of 128 for any K that is a multiple of 64 (the last step ragged), NVFP4 and
-    MXFP4 steps of 256 where those divide K, else of 192 where those do (gpt-oss's 2880: 15
+    MXFP4 the first of ``FP4_STEPS`` that divides K (256, else 192: gpt-oss's 2880 in 15
     steps). Stages: ``NUM_STAGES``, ``NUM_STAGES_LONG`` where K is ``LONG_K_STEPS`` steps or
-    more (gpt-oss's 2880: 23 of 128), ``NUM_STAGES_WIDE`` for steps of 192 / 256, unless
+    more (gpt-oss's 2880: 23 of 128), ``NUM_STAGES_WIDE`` for steps wider than 128, unless
     given. ``rows``: the items' rows (``choose_item_rows``)."""
-    if fmt in _WIDE_FORMATS and k % 256 == 0:
-        block_k = 256
-    elif fmt in _WIDE_FORMATS and k % 192 == 0:
-        block_k = 192
-    else:
-        block_k = 128 if k % 128 == 0 or _takes_ragged_k(fmt, k) else 64
+    wide = [w for w in FP4_STEPS if k % w == 0] if fmt in _WIDE_FORMATS else []
+    narrow = 128 if k % 128 == 0 or _takes_ragged_k(fmt, k) else 64
+    block_k = wide[0] if wide else narrow
     if num_stages is None and block_k > 128:
         num_stages = NUM_STAGES_WIDE
     elif num_stages is None:
@@ -490,7 +492,7 @@ def _matmul_program(
         # compiled steps of 256 as FP4_PARTS wgmmas in turn (192: FP4_PARTS_192), the operand's
         # registers reused: two of 128: ptxas 121 -> 80 registers (Qwen3 NVFP4), 132 -> 105
         # (MXFP4); H200, MXFP4 8 / 64 tokens -4.5% / -3%, NVFP4 even (NOTES, session 24)
-        parts = 1 if stage_w else {256: FP4_PARTS, 192: FP4_PARTS_192}.get(bk, 1)
+        parts = 1 if stage_w else {256: FP4_PARTS, 192: FP4_PARTS_192, 320: 5}.get(bk, 1)
 
         def step_operand(kb, w_smem, queue):
             """(this step's operand, its factors, the queue of the steps after it)."""
@@ -846,17 +848,20 @@ def _row_bias_inline(bias_ref, first):
 
 
 def _own_mx_groups(bk: int) -> int:
-    """E8M0 bytes of its own a thread reads a row a K step (``MX_ROW_MAX``): the groups of 32
-    its ``bk / 4`` columns from ``c bk / 4`` meet (2 at 192 and 256, else 1)."""
-    return 2 if bk > 128 else 1
+    """E8M0 bytes of its own a thread reads a row a K step (``MX_ROW_MAX``): the most groups
+    of 32 the ``bk / 4`` columns from ``c bk / 4`` of a quad's thread ``c`` meet (1 at 64 and
+    128, 2 at 192 and 256, 3 at 320)."""
+    q = bk // 4
+    return max(((c + 1) * q - 1) // 32 - c * q // 32 + 1 for c in range(4))
 
 
 def _fp4_scale_bits_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
     """Step ``kb``'s scale bytes of a thread's two rows, as loaded (a tuple of ``[bn]`` f32
     carriers holding i32 bits, one a 32-bit word; ``_fp4_factors_inline`` makes the factors):
-    NVFP4 the e4m3 bytes of the thread's own groups (1, 2, 3 or 4 at ``bk`` = 64, 128, 192,
-    256), MXFP4 those of its own groups (``MX_ROW_MAX``: ``_own_mx_groups``, from the group of
-    its first column) or every E8M0 byte of the step (its max is needed: 2, 4, 6 or 8). The
+    NVFP4 the e4m3 bytes of the thread's own groups (1, 2, 3, 4 or 5 at ``bk`` = 64, 128,
+    192, 256, 320), MXFP4 those of its own groups (``MX_ROW_MAX``: ``_own_mx_groups``, from
+    the group of its first column) or every E8M0 byte of the step (its max is needed: 2, 4,
+    6, 8 or 10). The
     loads are as wide as the row stride, the byte count and the offsets allow (up to 8 bytes;
     gpt-oss's 90-byte MXFP4 rows: 2). ``scale_ref [E, N, K / 16 | K / 32]``, ``row0 = e * N +
     n0``."""
@@ -945,7 +950,9 @@ def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile, top=None):
             if not mx:  # e4m3 bytes of the thread's groups, in order: two a cvt
                 per_slot = []
                 for half in range(-(-used // 2)):
-                    pair = words[0] if half == 0 else arith.shrui(words[0], _i32(16))
+                    pair = words[half // 2]
+                    if half % 2:
+                        pair = arith.shrui(pair, _i32(16))
                     f = mgpu.utils.inline_ptx("cvt.rn.f16x2.e4m3x2 $0, $1;",
                                               arith.trunci(i16, pair), result_types=i32)
                     per_slot += [_splat_f16x2(f, 0), _splat_f16x2(f, 1)]
@@ -967,10 +974,11 @@ def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile, top=None):
                         if not partial:  # the thread's own bytes, from its first column's
                             idx = arith.subi(idx, arith.divui(first, _i32(size)))
                         word = words[0]
-                        if len(words) > 1:  # byte idx of the two words
+                        for w in range(1, len(words)):  # byte idx of the words
                             word = arith.select(
-                                arith.cmpi(arith.CmpIPredicate.uge, idx, _i32(4)), words[1],
-                                words[0])
+                                arith.cmpi(arith.CmpIPredicate.uge, idx, _i32(4 * w)),
+                                words[w], word)
+                        if len(words) > 1:
                             idx = arith.andi(idx, _i32(3))
                         mine = arith.andi(arith.shrui(word, arith.muli(idx, _i32(8))),
                                           _i32(0xFF))
