@@ -56,17 +56,18 @@ def emulated(monkeypatch):
 
 def _operand_case(fmt, k, bk, parts, row_max, split, monkeypatch):
     """One program's step: the emulated scale loads, factors and code conversion (in
-    ``parts``) against the jnp twins, for expert 1, column tile 2, the middle step of K split
-    ``split`` (of 2 where K has 4+ steps)."""
+    ``parts``) against the jnp twins, column tile 2, for expert 1 and the middle step of the
+    first K split (``split`` 0), or the last expert and the last step of the last split (1:
+    the loads nearest the end of the scales)."""
     rng = np.random.default_rng(bk * 7 + parts + 100 * row_max + k)
     tile = SlotTile(block_k=bk)
     monkeypatch.setattr(mosaic, "MX_ROW_MAX", row_max)
     scale = _scales(rng, fmt, k)
-    e, n0 = 1, 2 * BLOCK_N
+    e, n0 = (1, 2 * BLOCK_N) if split == 0 else (EXPERTS - 1, 2 * BLOCK_N)
     steps = k // bk
     splits = 2 if steps >= 4 and steps % 2 == 0 else 1
     per_split = steps // splits
-    kb = min(split, splits - 1) * per_split + per_split // 2  # a middle step of the split
+    kb = per_split // 2 if split == 0 else steps - 1
     codes = rng.integers(0, 256, (BLOCK_N, bk // 2), dtype=np.uint8)
     g = bk // _groups(fmt)
     s = jnp.asarray(scale[e, n0:n0 + BLOCK_N, kb * g:(kb + 1) * g])
