@@ -60,7 +60,9 @@ a row and step in loads as wide as the row stride allows (FP8: one scalar a step
 gpt-oss's 2880 is 15 of them), halving the per-weight share of a step's fixed cost (the
 pipeline's barriers and TMA issue, the scale loads); a 192-wide step's 96-byte code rows lie
 in tiles of the 32-byte swizzle. The codes keep the checkpoint's layout.
-Interpret mode builds the same operands with jnp (``_fp4_operands_jnp``).
+Interpret mode builds the same operands with jnp (``_fp4_operands_jnp``); the tests also run
+the register-level blocks themselves on the CPU (``tests/mgpu_emulator.py``: numpy over a
+warpgroup's threads) against those twins.
 
 The full decode step (``moe_decode_mosaic_pairs``), five launches up to 1024 pairs: the plan
 with its work items (``kernel.make_plan(item_rows=)``: one Pallas launch, pairwise up to 32
