@@ -863,10 +863,9 @@ def _fp4_scale_bits_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
     NVFP4 the e4m3 bytes of the thread's own groups (1, 2, 3, 4 or 5 at ``bk`` = 64, 128,
     192, 256, 320), MXFP4 those of its own groups (``MX_ROW_MAX``: ``_own_mx_groups``, from
     the group of its first column) or every E8M0 byte of the step (its max is needed: 2, 4,
-    6, 8 or 10). The
-    loads are as wide as the row stride, the byte count and the offsets allow (up to 8 bytes;
-    gpt-oss's 90-byte MXFP4 rows: 2). ``scale_ref [E, N, K / 16 | K / 32]``, ``row0 = e * N +
-    n0``."""
+    6, 8 or 10). The loads are as wide as the row stride, the byte count and the offsets allow
+    (up to 8 bytes; gpt-oss's 90-byte MXFP4 rows: 2). ``scale_ref [E, N, K / 16 | K / 32]``,
+    ``row0 = e * N + n0``."""
     bn, bk = BLOCK_N, tile.block_k
     groups = bk // _group_size(fmt)  # a row's bytes a step
     own = fmt == "mxfp4" and MX_ROW_MAX
@@ -1542,9 +1541,10 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, spli
         f32v = ir.VectorType.get((per,), f32)
         tid = arith.remui(mgpu.utils.thread_idx(), _i32(128))
         r, lane = arith.divui(tid, _i32(lanes)), arith.remui(tid, _i32(lanes))
-        # rows past count (only their threads' loads use them) clamped inside R: the last
-        # item's next row may be R itself
-        row = arith.minui(arith.addi(first_.registers.item(), r), _i32(rows - 1))
+        row = arith.addi(first_.registers.item(), r)
+        if H_PROGRAM_ROWS > 1:  # rows past count (only their threads' loads use them) clamped
+            #   inside R: the last item's next row may be R itself
+            row = arith.minui(row, _i32(rows - 1))
         gu_ptr, h_ptr, hf_ptr, *red = (mgpu.utils.memref_ptr(v) for v in mems)
         bases = [arith.muli(arith.addi(row, _i32(s * rows)), _i32(2 * inter * 4))
                  for s in range(splits)]
