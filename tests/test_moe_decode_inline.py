@@ -237,7 +237,7 @@ def test_window_factors_and_row_bias_inline(emulated):
     load) and the rows' bias from the flat table (bf16, f16, f32)."""
     rng = np.random.default_rng(5)
     factors = rng.normal(size=40).astype(np.float32)
-    for row0, wn in [(0, 8), (16, 16), (24, 16)]:
+    for row0, wn in [(0, 8), (16, 16), (24, 16), (8, 24)]:
         got = wgmma_matrix(mosaic._window_factors_inline(factors, row0, wn), wn)
         np.testing.assert_array_equal(got, np.broadcast_to(factors[row0:row0 + wn],
                                                            (BLOCK_N, wn)))
