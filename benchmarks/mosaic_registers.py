@@ -152,18 +152,26 @@ def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str],
             return mosaic.slot_mlp(work, a, factor, **dict(zip(names, arrays_, strict=True)),
                                    fmt=fmt, fp8_block=fp8_block, tiles=tiles, **variant)
 
-        k = h
+        a = spec((rows, h), jnp.float16)
     else:
         i = KERNELS.index(kernel) - 1
         arrays, k = (gu, h) if i == 0 else (dn, inter)
+        a = spec((rows, k), jnp.float16)
+        source = None
+        if i == 1 and mosaic.DOWN_MAKES_H:  # the down kernel making its own h from gate_up's
+            a = spec((rows, 2 * inter), jnp.float32)
+            source = mosaic.HSource(1, variant.get("activation", Activation.SILU),
+                                    variant.get("layout", GateUpLayout.CONCATENATED),
+                                    variant.get("limit"), mosaic.GPT_OSS_ALPHA)
 
         def f(work, a, factor, w, scale, global_scale=None):
-            return mosaic.slot_matmul(work, a, w, scale, None, global_scale, row_factor=factor,
-                                      fmt=fmt, fp8_block=fp8_block, tile=tiles[i])
+            return mosaic.slot_matmul(work, a, w, scale, None, global_scale,
+                                      row_factor=None if source else factor, fmt=fmt,
+                                      fp8_block=fp8_block, tile=tiles[i], h_source=source)
 
     mgpu_core.KNOWN_KERNELS.clear()
     export.export(jax.jit(f), platforms=["cuda"])(
-        work, spec((rows, k), jnp.float16), spec((rows,), jnp.float32), *arrays)
+        work, a, spec((rows,), jnp.float32), *arrays)
     (module,) = mgpu_core.KNOWN_KERNELS.values()
     lib = ctypes.CDLL(str(plugins / "jax_plugins" / "xla_cuda13" / "xla_cuda_plugin.so"))
     compile_ = lib.MosaicGpuCompile

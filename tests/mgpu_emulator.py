@@ -403,19 +403,24 @@ def row_values(frag: Frag, rows: int = 64) -> np.ndarray:
     return out
 
 
-def smem_image(tile: np.ndarray, swizzle: int) -> Memory:
-    """``tile [R, B]`` bytes (R a multiple of 8, B of ``swizzle``) as Mosaic GPU lays it out in
-    SMEM under ``TilingTransform((8, swizzle))`` and ``SwizzleTransform(swizzle)``: tiles of 8
-    rows x ``swizzle`` bytes, row tile after row tile and, in one, column tile after column
-    tile; in a tile, byte ``t = (r % 8) * swizzle + b % swizzle`` has its 16-byte chunk index
-    XOR-ed with ``(t // 128) % (swizzle // 16)`` (the TMA's swizzle pattern)."""
-    rows, width = tile.shape
-    out = np.zeros(rows * width, np.uint8)
+def smem_offsets(rows: int, width: int, swizzle: int) -> np.ndarray:
+    """``[rows, width]``: the byte offset in SMEM of each byte of a ``[rows, width]``-byte tile
+    (rows a multiple of 8, width of ``swizzle``) under Mosaic GPU's ``TilingTransform((8,
+    swizzle / itemsize))`` and ``SwizzleTransform(swizzle)``: tiles of 8 rows x ``swizzle``
+    bytes, row tile after row tile and, in one, column tile after column tile; in a tile, byte
+    ``t = (r % 8) * swizzle + b % swizzle`` has its 16-byte chunk index XOR-ed with ``(t //
+    128) % (swizzle // 16)`` (the TMA's swizzle pattern)."""
     r, b = np.meshgrid(np.arange(rows), np.arange(width), indexing="ij")
     t = (r % 8) * swizzle + b % swizzle
     t = t ^ (((t // 128) % (swizzle // 16)) << 4)
     at = (r // 8) * (8 * width) + (b // swizzle) * (8 * swizzle) + t
-    out[at.reshape(-1)] = np.asarray(tile, np.uint8).reshape(-1)
     assert np.unique(at).size == at.size
-    return Memory(out)
+    return at
 
+
+def smem_image(tile: np.ndarray, swizzle: int) -> Memory:
+    """``tile [R, B]`` bytes laid out as ``smem_offsets`` says."""
+    rows, width = tile.shape
+    out = np.zeros(rows * width, np.uint8)
+    out[smem_offsets(rows, width, swizzle).reshape(-1)] = np.asarray(tile, np.uint8).reshape(-1)
+    return Memory(out)

@@ -246,3 +246,58 @@ def test_window_factors_and_row_bias_inline(emulated):
         for first in (0, N + BLOCK_N, 3 * N):
             got = row_values(mosaic._row_bias_inline(bias, first)).view(np.float32)
             np.testing.assert_array_equal(got, bias[first:first + BLOCK_N].astype(np.float32))
+
+
+@pytest.mark.parametrize("inter,layout,activation,limit,block_k,bk,kcols,k0,wn", [
+    (768, "concatenated", "silu", None, 256, 256, 768, 0, 8),  # Qwen3 FP4, one split
+    (768, "concatenated", "silu", None, 256, 256, 256, 512, 8),  # its last of three splits
+    (768, "concatenated", "silu", None, None, 128, 384, 384, 16),  # FP8, windows of 16
+    (2880, "interleaved", "gpt_oss", 7.0, 192, 192, 960, 960, 8),  # gpt-oss FP4, split 2 of 3
+    (2880, "interleaved", "gpt_oss", 7.0, 320, 320, 2880, 0, 8)])  # steps of 320, one split
+@pytest.mark.parametrize("splits", [1, 2])
+def test_h_tile_inline(emulated, inter, layout, activation, limit, block_k, bk, kcols, k0, wn,
+                       splits):
+    """``DOWN_MAKES_H``: a down program's h for its K steps, one row of its item at a time by
+    all 128 threads, into the SMEM tile ``[steps, wn, bk]`` in the wgmma B layout (8-row,
+    64-column tiles, 128-byte swizzle) at the row's window slot, scaled against those columns'
+    max, the factor at the slot; the window's other rows untouched. Against ``rows.h_rows``'
+    math on the columns ``[k0, k0 + kcols)`` (within a bf16 rounding; factors exact)."""
+    from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout
+    from tests.mgpu_emulator import smem_offsets
+
+    rng = np.random.default_rng(inter + kcols + k0 + splits)
+    rows, row0 = 40, 16
+    gu = rng.normal(0, 2, (splits * rows, 2 * inter)).astype(np.float32)
+    layout, activation = GateUpLayout(layout), Activation(activation)
+    steps = kcols // bk
+    tile = Memory(np.full(steps * wn * bk, np.nan, np.float16))
+    factors = Memory(np.full(wn, -1.0, np.float32))
+    red = Memory(np.zeros(4, np.float32))
+    first, count = row0 + 3, 4  # slots 3-6 of the window
+    for i in range(count):
+        mosaic._h_program_inline(Memory(gu), tile, factors, first + i, 1, red, splits=splits,
+                                 rows=rows, layout=layout, activation=activation, limit=limit,
+                                 alpha=mosaic.GPT_OSS_ALPHA, block_k=block_k,
+                                 tile=(first - row0 + i, k0, kcols, wn, bk))
+    # the tile's logical [steps, wn, bk] from its bytes
+    at = smem_offsets(wn, 2 * bk, 128)
+    raw = tile.bytes.reshape(steps, -1)
+    got = np.stack([raw[s][at].reshape(wn, bk, 2) for s in range(steps)]).view(np.float16)
+    got = got.reshape(steps, wn, bk).transpose(1, 0, 2).reshape(wn, kcols)
+    from pallas_kernels.grouped_matmul.reference import split_gate_up
+    from pallas_kernels.moe_decode import rows as row_launches
+    from pallas_kernels.moe_decode.kernel import _epilogue
+
+    g = sum(gu[s * rows + first:s * rows + first + count] for s in range(splits))
+    gate, up = split_gate_up(jnp.asarray(g), layout)
+    h = row_launches._round_to_bf16(_epilogue(gate, up, activation, limit,
+                                              mosaic.GPT_OSS_ALPHA))[:, k0:k0 + kcols]
+    want, want_f = (np.asarray(v) for v in row_launches.rows_reference(h, block_k))
+    slots = slice(first - row0, first - row0 + count)
+    np.testing.assert_array_equal(factors.array()[slots], want_f)
+    scale = np.abs(want.astype(np.float32)).max(axis=1, keepdims=True)
+    bad = np.abs(got[slots].astype(np.float32) - want.astype(np.float32)) > scale * 2.0**-7
+    assert not bad.any(), f"{bad.sum()} values off"
+    others = np.ones(wn, bool)
+    others[slots] = False
+    assert np.isnan(got[others]).all() and (factors.array()[others] == -1.0).all()

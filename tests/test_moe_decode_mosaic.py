@@ -30,6 +30,7 @@ from pallas_kernels.moe_decode import ExtraExperts, make_plan, moe_decode_pairs_
 from pallas_kernels.moe_decode.kernel import RADIX_PLAN_MAX_PAIRS, item_count, item_span, num_items
 from pallas_kernels.moe_decode.mosaic import (
     ROWS,
+    HSource,
     SlotTile,
     _natural_order,
     choose_item_rows,
@@ -148,6 +149,64 @@ def test_compiled_slot_matmul_on_gpu(fmt, k, k_splits):
 WIDE_FP4_CASES = [(256, 256, 1), (256, 768, 1), (256, 768, 3),  # (block_k, K, k_splits)
                   (192, 192, 1), (192, 576, 1), (192, 576, 3), (192, 960, 5),
                   (320, 320, 1), (320, 960, 1), (320, 960, 3)]
+
+
+def check_h_source(fmt, k, *, compiled: bool, k_splits: int, gu_splits: int,
+                   item_rows: int, gpt_oss: bool = False, block_k: int | None = None):
+    """``slot_matmul(h_source=)`` (each program makes its window's h from the gate_up output)
+    against ``rows.h_rows`` then ``slot_matmul`` on its rows and factors."""
+    from pallas_kernels.moe_decode.rows import h_rows
+
+    rng = np.random.default_rng(11)
+    n = 128
+    w = make_weights(rng, fmt, n, k, e=4, fp8_block=FP8_BLOCK, global_rows=2)
+    scale, global_scale = w.get("scale"), w.get("global_scale")
+    name = format_name(fmt, w["w"].dtype)
+    work, p = slot_items(item_rows)
+    rows = window_rows(p, item_rows)
+    gu = jnp.asarray(rng.normal(0, 2, (gu_splits * rows, 2 * k)), jnp.float32)
+    act, layout, limit = ((Activation.GPT_OSS, GateUpLayout.INTERLEAVED, 7.0) if gpt_oss
+                          else (Activation.SILU, GateUpLayout.CONCATENATED, None))
+    tile = choose_slot_tile(k, fmt=name, rows=item_rows) if block_k is None else SlotTile(
+        block_k=block_k, num_stages=mosaic.NUM_STAGES_WIDE, rows=item_rows)
+    fp4 = fmt in FP4
+    kw = dict(fmt=name, fp8_block=FP8_BLOCK if fmt is FP8 else None, tile=tile,
+              k_splits=k_splits)
+    h, hf = h_rows(gu, splits=gu_splits, activation=act, layout=layout, limit=limit,
+                   block_k=tile.block_k if fp4 else None, interpret=True)
+    ref = slot_matmul(work, h, w["w"], scale, None, global_scale, row_factor=hf,
+                      interpret=True, **kw)
+    out = slot_matmul(work, gu, w["w"], scale, None, global_scale, h_source=HSource(
+        gu_splits, act, layout, limit, mosaic.GPT_OSS_ALPHA), interpret=not compiled, **kw)
+    owned = owned_rows(work, rows)
+    out, ref = np.asarray(out), np.asarray(ref)
+    np.testing.assert_allclose(out[owned], ref[owned], rtol=1e-5,
+                               atol=1e-5 * np.abs(ref[owned]).max())
+
+
+@pytest.mark.parametrize("fmt,k,k_splits,gu_splits,item_rows,gpt_oss", [
+    (NVFP4, 512, 1, 1, 8, False), (NVFP4, 768, 3, 2, 1, False), (MXFP4, 768, 1, 3, 8, True),
+    (MXFP4, 576, 3, 1, 16, True), (FP8, 384, 3, 2, 8, False), (FP8, 256, 1, 1, 1, True)],
+    ids=str)
+def test_slot_matmul_h_source(monkeypatch, fmt, k, k_splits, gu_splits, item_rows, gpt_oss):
+    """``DOWN_MAKES_H``'s down launch: the programs' own h (per K split, scaled against its
+    columns' max) give the outputs of the h launch's rows, for FP8 and FP4 (operand order),
+    SiLU / gpt-oss, gate_up and down K splits, items of 1, 8 and 16 rows."""
+    check_h_source(fmt, k, compiled=False, k_splits=k_splits, gu_splits=gu_splits,
+                   item_rows=item_rows, gpt_oss=gpt_oss)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
+@pytest.mark.parametrize("fmt,k,k_splits,gu_splits,item_rows,gpt_oss", [
+    (NVFP4, 768, 3, 2, 8, False), (NVFP4, 768, 1, 1, 1, False), (MXFP4, 2880, 3, 3, 8, True),
+    (MXFP4, 2880, 1, 1, 8, True), (FP8, 768, 2, 2, 16, False), (FP8, 384, 1, 1, 1, True)],
+    ids=str)
+def test_compiled_slot_matmul_h_source(fmt, k, k_splits, gu_splits, item_rows, gpt_oss):
+    """The compiled ``DOWN_MAKES_H`` down launch: each program's h rows into its SMEM tile
+    (the wgmma B layout), kept or (gpt-oss, one split: 12 chunks a thread) rolled, the
+    pipeline on the weights alone, the factors from SMEM."""
+    check_h_source(fmt, k, compiled=True, k_splits=k_splits, gu_splits=gu_splits,
+                   item_rows=item_rows, gpt_oss=gpt_oss)
 
 
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
@@ -327,22 +386,35 @@ def test_item_rows_and_windows(monkeypatch):
             SlotTile(rows=bad)
 
 
-def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, block_k: int | None = None,
-                      bias_dtype=None, num_stages: int | None = None, item_rows: int = ROWS):
-    rng = np.random.default_rng(3)
-    n, p = 128, 45  # two 64-row column tiles
-    fp8_block = FP8_BLOCK
-    w = make_weights(rng, fmt, n, k, e=4, fp8_block=fp8_block, global_rows=2)
-    scale, global_scale = w.get("scale"), w.get("global_scale")
-    name = format_name(fmt, w["w"].dtype)
-    # (expert, first row, rows): rows 0-15, 16 (1 row), 19-31 (13), 33-39 (7), 42-44 (3), each
-    # cut into items of at most item_rows rows (kernel.cut_base: aligned for multiples of 8)
+def slot_items(item_rows: int) -> tuple[jax.Array, int]:
+    """(work ``[3, W]``, P = 45 routed rows) of 4 experts: (expert, first row, rows) = rows
+    0-15, 16 (1 row), 19-31 (13), 33-39 (7), 42-44 (3), each cut into items of at most
+    ``item_rows`` rows (kernel.cut_base: aligned for multiples of 8), and an unused item."""
     work = [(4, 0, 0)]
     for e, r0, count in [(2, 0, 16), (0, 16, 1), (3, 19, 13), (1, 33, 7), (2, 42, 3)]:
         for c in range(int(item_count(r0, count, item_rows))):
             start, end = (int(v) for v in item_span(r0, count, c, item_rows))
             work.append((e, start, end - start))
-    work = jnp.asarray(np.array(work).T, jnp.int32)
+    return jnp.asarray(np.array(work).T, jnp.int32), 45
+
+
+def owned_rows(work, rows: int) -> np.ndarray:
+    """``[rows]`` bool: the rows some item owns."""
+    owned = np.zeros(rows, bool)
+    for _, first, count in np.asarray(work).T:
+        owned[first:first + count] = True
+    return owned
+
+
+def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, block_k: int | None = None,
+                      bias_dtype=None, num_stages: int | None = None, item_rows: int = ROWS):
+    rng = np.random.default_rng(3)
+    n = 128  # two 64-row column tiles
+    fp8_block = FP8_BLOCK
+    w = make_weights(rng, fmt, n, k, e=4, fp8_block=fp8_block, global_rows=2)
+    scale, global_scale = w.get("scale"), w.get("global_scale")
+    name = format_name(fmt, w["w"].dtype)
+    work, p = slot_items(item_rows)
     a_dtype = jnp.bfloat16 if fmt is BF16 else jnp.float16
     rows = window_rows(p, item_rows)
     a = jnp.asarray(rng.standard_normal((rows, k)), a_dtype)
@@ -362,9 +434,7 @@ def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, block_k: int
                                 fp8_block=fp8_block, **epilogue)
     chex.assert_shape(out, (rows, n))
     out, ref = np.asarray(out), np.asarray(ref)
-    owned = np.zeros(rows, bool)
-    for _, first, rows in np.asarray(work).T:
-        owned[first:first + rows] = True
+    owned = owned_rows(work, rows)
     if not compiled:  # the interpreter's outputs start NaN
         assert np.isnan(out[~owned]).all(), "a row no item owns was written"
     np.testing.assert_allclose(out[owned], ref[owned], rtol=1e-5,
@@ -598,6 +668,39 @@ def test_fused_launch_equals_three(t, k, fmt, arrays_kw, variant, pattern):
     variant.pop("k_splits", None), variant.pop("tile", None)
     ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
     assert_pairs_close(fused, ref, ids, kw["gate_up"].shape[0])
+
+
+@pytest.mark.parametrize("t,k,fmt,arrays_kw,variant,pattern", [
+    (1, 4, NVFP4, dict(bias=True), dict(), "random"),
+    (2, 3, MXFP4, dict(), dict(activation="gpt_oss", gate_up_layout="interleaved", limit=0.5,
+                               k_splits=(3, 2), tile=(SlotTile(block_k=64),) * 2),
+     "dup_in_token"),
+    (7, 2, FP8, dict(bias=True), dict(activation="silu", limit=0.3), "zero_experts"),
+    (8, 2, FP8, dict(bias=True, inter=192), dict(k_splits=(2, 2)), "repeated"),  # ragged K
+    (3, 3, NVFP4, dict(), dict(activation="gelu_tanh", k_splits=(3, 1),
+                               tile=(SlotTile(block_k=64),) * 2), "one_expert")], ids=str)
+def test_down_makes_h(monkeypatch, t, k, fmt, arrays_kw, variant, pattern):
+    """``DOWN_MAKES_H`` (three launches): each down program's own h gives the pairs of the h
+    launch's rows (within f32 rounding: its h scaled against its K split's max) and the
+    reference's; a down K that is not a multiple of its step keeps the h launch (bit for
+    bit)."""
+    kw = arrays(fmt, **arrays_kw)
+    x, ids = x_rows(t), routing(pattern, t, k, seed=5)
+    three = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=False, **kw, **variant)
+    calls = []
+    real_h_rows = mosaic.h_rows
+    monkeypatch.setattr(mosaic, "h_rows", lambda *a, **k: calls.append(1) or real_h_rows(*a, **k))
+    with mosaic_constants(monkeypatch, DOWN_MAKES_H=True):
+        own = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=False, **kw, **variant)
+    ragged = arrays_kw.get("inter", 128) % 128 != 0
+    assert bool(calls) == ragged, "the h launch runs only where down's K is ragged"
+    if ragged:
+        np.testing.assert_array_equal(np.asarray(own), np.asarray(three))
+    np.testing.assert_allclose(np.asarray(own), np.asarray(three), rtol=1e-5,
+                               atol=1e-5 * np.abs(np.asarray(three)).max())
+    variant.pop("k_splits", None), variant.pop("tile", None)
+    ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
+    assert_pairs_close(own, ref, ids, kw["gate_up"].shape[0])
 
 
 BLOCKED_CASES = [  # (T, k, format, routing patterns, fused)
@@ -962,6 +1065,40 @@ class TestLowersForHopper:
         with mosaic_constants(monkeypatch, FP4_PARTS_192=2), pytest.raises(
                 ValueError, match="2 parts of a K step of 192"):
             self.test_lowers(fmt, 5760, 2880, 1)
+
+    @pytest.mark.parametrize("fmt,n,k,k_splits,gu_splits,rows,gpt_oss", [
+        (FP8, 2048, 768, 1, 2, 8, False), (NVFP4, 2048, 768, 3, 2, 8, False),
+        (MXFP4, 2048, 768, 1, 1, 1, False), (MXFP4, 2880, 2880, 3, 3, 8, True),
+        (NVFP4, 2880, 2880, 5, 1, 16, True)], ids=str)
+    def test_h_source_lowers(self, fmt, n, k, k_splits, gu_splits, rows, gpt_oss):
+        """``DOWN_MAKES_H``'s down launch (the programs' h tile in SMEM, the pipeline on the
+        weights alone) for Qwen3's and gpt-oss's down shapes, with the extra stack."""
+        p, e = 64, 8
+        name = format_name(fmt, None)
+        w_dtype = jnp.float8_e4m3fn if fmt is FP8 else jnp.uint8
+        kw_ = k // 2 if fmt in FP4 else k
+        scale = {FP8: ((e, -(-n // 128), -(-k // 128)), jnp.float32),
+                 NVFP4: ((e, n, k // 16), jnp.float8_e4m3fn),
+                 MXFP4: ((e, n, k // 32), jnp.uint8)}[fmt]
+        arrays = [jax.ShapeDtypeStruct((e, n, kw_), w_dtype), jax.ShapeDtypeStruct(*scale)]
+        if fmt is NVFP4:
+            arrays.append(jax.ShapeDtypeStruct((e, 1), jnp.float32))
+        r = window_rows(p, rows)
+        args = [jax.ShapeDtypeStruct((3, e + p), jnp.int32),
+                jax.ShapeDtypeStruct((gu_splits * r, 2 * k), jnp.float32), *arrays]
+        act, layout = ((Activation.GPT_OSS, GateUpLayout.INTERLEAVED) if gpt_oss
+                       else (Activation.SILU, GateUpLayout.CONCATENATED))
+        source = HSource(gu_splits, act, layout, 7.0 if gpt_oss else None,
+                         mosaic.GPT_OSS_ALPHA)
+
+        def f(work, gu, w, scale, glob=None):
+            return slot_matmul(work, gu, w, scale, None, glob, fmt=name, h_source=source,
+                               fp8_block=(128, 128) if fmt is FP8 else None,
+                               tile=choose_slot_tile(k, fmt=name, rows=rows),
+                               k_splits=k_splits)
+
+        text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
+        assert "mosaic_gpu" in text
 
     @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda v: v.value)
     def test_fp4_steps_320_lower(self, monkeypatch, fmt):

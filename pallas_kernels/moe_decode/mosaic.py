@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -326,6 +327,19 @@ def _kernel(
                     nt=lax.axis_index("n"), split=split, **static)
 
 
+# Three launches (f16 activations, K of down a multiple of its step): each down program makes
+# its window's h for its own K steps from the gate_up output in L2 (``slot_matmul(h_source=)``:
+# ``_h_program_inline`` a row of its item at a time into an SMEM tile in the wgmma B layout),
+# and the h launch (``rows.h_rows``) goes: one launch and its gap fewer a step at 1-7 tokens,
+# for ~100 L2 gathers a thread before each down program's first wgmma. Off until timed on the
+# GPU (NOTES, session 33).
+DOWN_MAKES_H = False
+# ... its h chunks kept in registers up to this many a thread (else recomputed, rolled): the
+# down kernel's registers are the largest of its h part's and its K loop's. Offline ptxas,
+# gpt-oss MXFP4 down at windows of 8, one K split (12 chunks a thread): kept 176 registers,
+# rolled 103 (as without DOWN_MAKES_H); Qwen3's 3 chunks kept: 71-79, as without.
+H_TILE_KEEP_CHUNKS = 4
+
 # The Mosaic launches' first act: griddepcontrol.wait (programmatic dependent launch: a kernel
 # that waits so is marked, and XLA may start its CTAs before the launch ahead of it has
 # finished; the wait holds them until that launch's writes are visible). Nothing the programs
@@ -365,6 +379,9 @@ def _matmul_program(
     global_rows: int,  # NVFP4: rows sharing one global scale
     k: int,  # the contraction length (unpacked)
     k_splits: int,  # programs along K: split s dots steps [s * num_steps, (s + 1) * num_steps)
+    h_from: dict | None = None,  # DOWN_MAKES_H: a_gmem is the gate_up output [S * R, 2I] f32
+    #   and the program makes its window's h for its K steps (``_h_program_inline``'s
+    #   keywords: splits, rows, layout, activation, limit, alpha, block_k)
 ):
     """One program of ``slot_matmul``: item ``u``'s rows through its expert's weight rows
     ``[nt * BLOCK_N, (nt + 1) * BLOCK_N)``, K split ``split``, stored to ``o_gmem``."""
@@ -381,10 +398,11 @@ def _matmul_program(
     start = work_gmem[1, u]
     num_rows = work_gmem[2, u]  # 0 for an unused item
     # out [k_splits * R, N]: split s at rows s * R
-    out_row = start if split is None else split * a_gmem.shape[0] + start
+    rows_total = h_from["rows"] if h_from else a_gmem.shape[0]
+    out_row = start if split is None else split * rows_total + start
     row0 = pl.multiple_of(start - lax.rem(start, 8), 8)  # the window's first row
     n0 = pl.multiple_of(nt * bn, bn)
-    a_dtype = a_gmem.dtype
+    a_dtype = jnp.dtype(jnp.float16) if h_from else a_gmem.dtype  # the activations'
 
     def staged(w):
         """``w`` as the wgmma's A operand: in registers, or (interpreter, whose wgmma reads A
@@ -431,6 +449,21 @@ def _matmul_program(
 
         return first, advance
 
+    h_smem = {}  # DOWN_MAKES_H: the program's h tile [num_steps, wn, bk] and factors [wn]
+
+    def pipeline(step, init_carry, w_tile, a_tile):
+        """``emit_pipeline`` over the K steps: weights and activations by TMA, or (h made by
+        the program) the weights only, each step's activations from the h tile."""
+        if not h_smem:
+            return plgpu.emit_pipeline(
+                step, grid=(num_steps,), in_specs=[w_spec, a_spec],
+                max_concurrent_steps=tile.num_stages, init_carry=init_carry)(w_tile, a_tile)
+        h_tile = h_smem["tile"]
+        return plgpu.emit_pipeline(
+            lambda idx, w_smem, carry: step(idx, w_smem, h_tile.at[idx[0]], carry),
+            grid=(num_steps,), in_specs=[w_spec], max_concurrent_steps=tile.num_stages,
+            init_carry=init_carry)(w_tile)
+
     def scaled_steps(w_tile, a_tile, scale_ref, e):
         """FP8: each step's partial (its own accumulator) times the step's block scale, loaded
         ``SCALE_PREFETCH`` steps before (a global load per step on the critical path had held
@@ -453,10 +486,7 @@ def _matmul_program(
             return acc + part * s, queue
 
         zeros = plgpu.layout_cast(jnp.zeros((bn, wn), jnp.float32), plgpu.Layout.WGMMA)
-        acc, _ = plgpu.emit_pipeline(
-            step, grid=(num_steps,), in_specs=[w_spec, a_spec],
-            max_concurrent_steps=tile.num_stages, init_carry=(zeros, first),
-        )(w_tile, a_tile)
+        acc, _ = pipeline(step, (zeros, first), w_tile, a_tile)
         return acc
 
     def fp4_steps(w_tile, a_tile, scale_ref, global_ref, e):
@@ -543,10 +573,7 @@ def _matmul_program(
                 return acc + part, queue
 
             zeros = plgpu.layout_cast(jnp.zeros((bn, wn), jnp.float32), plgpu.Layout.WGMMA)
-            acc, _ = plgpu.emit_pipeline(
-                step, grid=(num_steps,), in_specs=[w_spec, a_spec],
-                max_concurrent_steps=tile.num_stages, init_carry=(zeros, first),
-            )(w_tile, a_tile)
+            acc, _ = pipeline(step, (zeros, first), w_tile, a_tile)
             return acc
 
         if not row_max:  # the global scale loaded before the steps (read after them)
@@ -558,10 +585,7 @@ def _matmul_program(
             return acc_ref, queue
 
         def run(acc_ref):
-            plgpu.emit_pipeline(
-                nv_step, grid=(num_steps,), in_specs=[w_spec, a_spec],
-                max_concurrent_steps=tile.num_stages, init_carry=(acc_ref, first),
-            )(w_tile, a_tile)
+            pipeline(nv_step, (acc_ref, first), w_tile, a_tile)
             return acc_ref[...]
 
         acc = pl.run_scoped(run, plgpu.ACC((bn, wn), jnp.float32))
@@ -579,10 +603,7 @@ def _matmul_program(
             return acc_ref
 
         def run(acc_ref):
-            plgpu.emit_pipeline(
-                step, grid=(num_steps,), in_specs=[w_spec, a_spec],
-                max_concurrent_steps=tile.num_stages, init_carry=acc_ref,
-            )(w_tile, a_tile)
+            pipeline(step, acc_ref, w_tile, a_tile)
             return acc_ref[...]
 
         return pl.run_scoped(run, plgpu.ACC((bn, wn), jnp.float32))
@@ -603,21 +624,53 @@ def _matmul_program(
             done = done + (num_rows & size)
             size //= 2
 
+    def make_h(h_tile, h_factor, red):
+        """DOWN_MAKES_H: the window's h for this program's K steps into ``h_tile`` (the item's
+        rows; interpret mode every window row) and their factors into ``h_factor``."""
+        h_smem.update(tile=h_tile, factor=h_factor)
+        k0, kcols = at(0) * bk, num_steps * bk
+        if stage_w:
+            values, factors = _h_tile_jnp(a_gmem, row0, k0, wn=wn, kcols=kcols, bk=bk,
+                                          **h_from)
+            h_tile[...] = values
+            h_factor[...] = factors
+            return
+
+        def one_row(i, carry):
+            _h_program_inline(a_gmem, h_tile, h_factor, start + i, 1, red, **h_from,
+                              tile=(start - row0 + i, k0, kcols, wn, bk))
+            return carry
+
+        lax.fori_loop(0, num_rows, one_row, None)
+        plgpu.commit_smem()  # the generic stores before the wgmmas read the tile
+
     def run(w_gmem, *scales, e, bias_ref=None):
         """This item's rows through expert ``e`` of one stack, stored."""
+        if h_from is not None and not h_smem:  # the h tile's scope around the whole program
+            def scoped(h_tile, h_factor, red):
+                make_h(h_tile, h_factor, red)
+                run(w_gmem, *scales, e=e, bias_ref=bias_ref)
+
+            pl.run_scoped(scoped, plgpu.SMEM((num_steps, wn, bk), jnp.float16,
+                                             transforms=_transforms(bk * 2, 2)),
+                          plgpu.SMEM((wn,), jnp.float32), plgpu.SMEM((4,), jnp.float32))
+            h_smem.clear()  # (the other stack's run opens its own scope)
+            return
         w_tile = w_gmem.at[e, pl.ds(n0, bn)]
-        a_tile = a_gmem.at[pl.ds(row0, wn)]
+        a_tile = None if h_smem else a_gmem.at[pl.ds(row0, wn)]
+        window_factor = h_smem.get("factor", factor_ref)  # [R] at row0, or the tile's [wn]
+        first_factor = 0 if h_smem else row0
 
         def epilogue_operands():
             """The window rows' factors ``[bn, wn]`` and the bias ``[bn]`` (or None)."""
             if stage_w:
-                factors = None if factor_ref is None else lax.broadcast_in_dim(
-                    factor_ref[pl.ds(row0, wn)], (bn, wn), [1])
+                factors = None if window_factor is None else lax.broadcast_in_dim(
+                    window_factor[pl.ds(first_factor, wn)], (bn, wn), [1])
                 b = None if bias_ref is None else bias_ref[e, pl.ds(n0, bn)].astype(
                     jnp.float32)
                 return factors, b
-            factors = None if factor_ref is None else _window_factors_inline(factor_ref, row0,
-                                                                              wn)
+            factors = None if window_factor is None else _window_factors_inline(
+                window_factor, first_factor, wn)
             b = None if bias_ref is None else _row_bias_inline(
                 bias_ref, e * bias_ref.shape[1] + n0)
             return factors, b
@@ -1298,8 +1351,19 @@ def _checked_bias(bias, e: int, n: int):
     return bias
 
 
+class HSource(NamedTuple):
+    """``slot_matmul``'s ``h_source``: its ``a`` is the gate_up launch's stacked output ``[splits
+    * R, 2I]`` f32 and each program makes its own h from it (``DOWN_MAKES_H``)."""
+
+    splits: int
+    activation: Activation
+    layout: GateUpLayout
+    limit: float | None
+    alpha: float
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "fp8_block", "tile", "k_splits",
-                                             "sum_splits", "interpret"))
+                                             "sum_splits", "h_source", "interpret"))
 def slot_matmul(
     work: jax.Array,  # [3, W] int32: expert (>= E: unused), first sorted row, row count <=
     #   tile.rows
@@ -1319,6 +1383,7 @@ def slot_matmul(
     tile: SlotTile = SlotTile(),
     k_splits: int = 1,
     sum_splits: bool = True,
+    h_source: HSource | None = None,  # a: gate_up's output; each program makes its h
     interpret: bool = False,
 ) -> jax.Array:
     """``out [R, N]`` f32 in sorted-row order, row for row with ``a`` (see the module
@@ -1331,22 +1396,36 @@ def slot_matmul(
     ``k_splits`` > 1 splits K over that many programs per (item, 64 weight rows), each with its own
     output rows, summed here (more programs for few tokens; ``sum_splits=False``: returned
     stacked, ``[k_splits * R, N]``, the bias in split 0's); it must divide ``K / block_k``.
+    ``h_source`` (``DOWN_MAKES_H``, f16 activations, K a multiple of ``block_k``): ``a`` is the
+    gate_up launch's stacked output ``[h_source.splits * R, 2K]`` f32, and each program makes
+    its window's h for its own K steps (``rows.h_rows``' math, scaled against those columns'
+    max) in SMEM, the row factors with it; ``row_factor`` must be None.
     ``interpret=True`` runs the Mosaic GPU interpreter (CPU tests)."""
     if a.ndim != 2:
         raise ValueError(f"a: expected rank 2, got shape {a.shape}")
     if work.ndim != 2 or work.shape[0] != 3:
         raise ValueError(f"work: expected shape (3, W), got {work.shape}")
-    rows_a = a.shape[0]
+    rows_a = a.shape[0] // (h_source.splits if h_source else 1)
     if rows_a < tile.window:
         raise ValueError(f"a: expected at least {tile.window} rows (one window of "
                          f"tile.rows={tile.rows}), got {rows_a}")
     fmt, n, k, global_rows, operands, pad_k = _stack_operands(
         w, scale, global_scale, extra, fmt=fmt, fp8_block=fp8_block, tile=tile,
         k_splits=k_splits, interpret=interpret)
-    want_a = (rows_a, k)
-    if a.shape != want_a or a.dtype != activation_dtype(fmt):
-        raise ValueError(f"a: expected {want_a} {activation_dtype(fmt)}, got {a.shape} "
-                         f"{a.dtype}")
+    h_from = None
+    if h_source is None:
+        want_a, a_dtype = (rows_a, k), activation_dtype(fmt)
+    else:
+        want_a, a_dtype = (h_source.splits * rows_a, 2 * k), jnp.dtype(jnp.float32)
+        if activation_dtype(fmt) != jnp.float16 or k % tile.block_k or row_factor is not None:
+            raise ValueError(f"h_source: f16 activations (not {fmt}), K={k} a multiple of "
+                             f"block_k={tile.block_k}, and no row_factor")
+        h_from = dict(splits=h_source.splits, rows=rows_a, layout=h_source.layout,
+                      activation=h_source.activation, limit=h_source.limit,
+                      alpha=h_source.alpha, block_k=tile.block_k if fmt in _WIDE_FORMATS
+                      else None)
+    if a.shape != want_a or a.dtype != a_dtype:
+        raise ValueError(f"a: expected {want_a} {a_dtype}, got {a.shape} {a.dtype}")
     epilogue = []
     if row_factor is not None:
         if row_factor.shape != (rows_a,) or row_factor.dtype != jnp.float32:
@@ -1356,12 +1435,12 @@ def slot_matmul(
     if bias is not None:
         epilogue.append(_checked_bias(bias, w.shape[0], n))
     bn = BLOCK_N
-    stage = [_w_stage(tile, a.dtype)] if interpret else []
+    stage = [_w_stage(tile, activation_dtype(fmt))] if interpret else []
     kernel = plgpu.kernel(
         functools.partial(_kernel, tile=tile, fmt=fmt, fp8_block=fp8_block,
                           global_rows=global_rows or 0, k=k, num_stacks=1 + (extra is not None),
                           k_splits=k_splits, row_factor=row_factor is not None,
-                          bias=bias is not None),
+                          bias=bias is not None, h_from=h_from),
         out_type=jax.ShapeDtypeStruct((k_splits * rows_a, n), jnp.float32),
         # the items on the first axis (CUDA's x: the block scheduler's fastest), so resident
         # CTAs read a few tiles of every expert; tiles first measured 1-3% slower (H200: NOTES)
@@ -1372,7 +1451,7 @@ def slot_matmul(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    out = kernel(work, pad_k(a), *operands, *epilogue)
+    out = kernel(work, a if h_source else pad_k(a), *operands, *epilogue)
     if k_splits == 1 or not sum_splits:
         return out
     return out.reshape(k_splits, rows_a, n).sum(axis=0)
@@ -1460,6 +1539,23 @@ def _h_program_jnp(gu_ref, h_ref, hf_ref, first, count, *, splits: int, rows: in
     hf_ref[pl.ds(at, n)] = jnp.where(valid, factor, hf_ref[pl.ds(at, n)])
 
 
+def _h_tile_jnp(gu_ref, row0, k0, *, wn: int, kcols: int, bk: int, splits: int, rows: int,
+                layout: GateUpLayout, activation: Activation, limit, alpha: float,
+                block_k: int | None):
+    """Interpret mode's DOWN_MAKES_H tile (``_h_program_inline`` with ``tile``) for every
+    window row ``row0 .. row0 + wn - 1``: h's columns ``[k0, k0 + kcols)`` (``rows.h_rows``'
+    math), scaled against their own max -> (``[kcols / bk, wn, bk]`` f16 in the operand order,
+    ``[wn]`` f32 factors)."""
+    gu = gu_ref[pl.ds(row0, wn), :]
+    for s in range(1, splits):
+        gu = gu + gu_ref[pl.ds(s * rows + row0, wn), :]
+    gate, up = split_gate_up(gu, layout)
+    h = row_launches._round_to_bf16(_epilogue(gate, up, activation, limit, alpha))
+    h = lax.dynamic_slice_in_dim(h, k0, kcols, axis=1)
+    values, factors = row_launches.rows_reference(h, block_k)
+    return values.reshape(wn, kcols // bk, bk).transpose(1, 0, 2), factors
+
+
 def _f32c(v):
     return arith.constant(ir.F32Type.get(), float(v))
 
@@ -1510,7 +1606,7 @@ def _operand_source_mlir(pos, block_k: int):
 
 def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, splits: int,
                       rows: int, layout: GateUpLayout, activation: Activation, limit,
-                      alpha: float, block_k: int | None):
+                      alpha: float, block_k: int | None, tile: tuple | None = None):
     """An h program (one warpgroup, ``128 / H_PROGRAM_ROWS`` threads a row): sorted rows
     ``[first, first + count)`` (``count <= H_PROGRAM_ROWS``; the threads of rows past it only
     join the barriers) of the gate_up output ``gu_ref [splits * R, 2I]`` f32 (K-split partials
@@ -1522,27 +1618,39 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, spli
     up to ``H_KEEP_CHUNKS`` chunks a thread (else both passes recompute them, in rolled loops
     of ``H_ROLL`` chunks an iteration, so only those chunks' loads hold registers). FP4
     (``block_k``): the columns in the operand order, each h column's gate and up by scalar
-    loads."""
+    loads.
+
+    ``tile = (slot, k0, kcols, wn, bk)`` (``DOWN_MAKES_H``: a down program's own activations):
+    one row (``count`` 1) by all 128 threads, its columns ``[k0, k0 + kcols)`` only, scaled
+    against their own max, into window row ``slot`` of ``h_ref``, an SMEM tile ``[kcols / bk,
+    wn, bk]`` f16 in the wgmma B operand's layout (8-row, 64-column tiles, 128-byte swizzle),
+    the factor into ``hf_ref [wn]`` (SMEM) at ``slot``."""
     inter = gu_ref.shape[1] // 2
     per = H_CHUNK  # h columns a chunk
-    lanes = 128 // H_PROGRAM_ROWS  # threads a row
+    lanes = 128 if tile else 128 // H_PROGRAM_ROWS  # threads a row
     warps_a_row = max(lanes // 32, 1)
-    chunks = inter // per  # a row's
+    kcols = tile[2] if tile else inter
+    chunks = kcols // per  # a row's
     lane_chunks = -(-chunks // lanes)
-    keep = lane_chunks <= H_KEEP_CHUNKS
+    keep = lane_chunks <= (H_TILE_KEEP_CHUNKS if tile else H_KEEP_CHUNKS)
     rolls = -(-lane_chunks // H_ROLL)  # iterations of the recomputing passes' rolled loops
     interleaved = layout is GateUpLayout.INTERLEAVED
     refs = (gu_ref, h_ref, hf_ref) + ((red_ref,) if warps_a_row > 1 else ())
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * len(refs) + (plgpu.Layout.WG_SPLAT,) * 2)
+    splats = 4 if tile else 2  # first, count (, slot, k0)
+    ref_types = [plgpu.RefType()] * len(refs)
+    if tile:  # the h tile's tiling and swizzle (the wgmma B operand's)
+        ref_types[1] = plgpu.RefType(_transforms(tile[4] * 2, 2))
+
+    @plgpu.inline_mgpu(arg_types=(*ref_types, *(plgpu.Layout.WG_SPLAT,) * splats))
     def program(_, *args):
-        *mems, first_, count_ = args
+        *mems, first_, count_ = args[:len(refs) + 2]
         i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
         f32v = ir.VectorType.get((per,), f32)
         tid = arith.remui(mgpu.utils.thread_idx(), _i32(128))
         r, lane = arith.divui(tid, _i32(lanes)), arith.remui(tid, _i32(lanes))
         row = arith.addi(first_.registers.item(), r)
-        if H_PROGRAM_ROWS > 1:  # rows past count (only their threads' loads use them) clamped
+        if lanes < 128:  # rows past count (only their threads' loads use them) clamped
             #   inside R: the last item's next row may be R itself
             row = arith.minui(row, _i32(rows - 1))
         gu_ptr, h_ptr, hf_ptr, *red = (mgpu.utils.memref_ptr(v) for v in mems)
@@ -1569,6 +1677,8 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, spli
                 ok = arith.cmpi(arith.CmpIPredicate.ult, c, _i32(chunks))
                 c = arith.select(ok, c, _i32(0))
             pos0 = arith.muli(c, _i32(per))
+            if tile:
+                pos0 = arith.addi(pos0, args[-1].registers.item())
             if block_k is None and not interleaved:
                 g, u = summed(pos0, f32v), summed(arith.addi(pos0, _i32(inter)), f32v)
                 pairs = [(scalar(g, j), scalar(u, j)) for j in range(per)]
@@ -1631,7 +1741,12 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, spli
         def store(pos0, vals, ok):
             f16 = [arith.truncf(ir.F16Type.get(), arith.mulf(v, up)) for v in vals]
             packed = vector.from_elements(ir.VectorType.get((per,), ir.F16Type.get()), f16)
-            at = arith.muli(arith.addi(arith.muli(row, _i32(inter)), pos0), _i32(2))
+            if tile:
+                at = _tile_offset(args[-2].registers.item(),
+                                  arith.subi(pos0, args[-1].registers.item()),
+                                  wn=tile[3], bk=tile[4])
+            else:
+                at = arith.muli(arith.addi(arith.muli(row, _i32(inter)), pos0), _i32(2))
             if ok is None:
                 llvm.store(packed, _gep(h_ptr, at))
             else:
@@ -1649,10 +1764,29 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, spli
                         store(*h_values(arith.addi(arith.muli(i, _i32(H_ROLL)), _i32(j))))
                     return carry
             with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.eq, lane, _i32(0))):
-                llvm.store(down, _gep(hf_ptr, arith.muli(row, _i32(4))))
+                slot = args[-2].registers.item() if tile else row
+                llvm.store(down, _gep(hf_ptr, arith.muli(slot, _i32(4))))
         mgpu.utils.warpgroup_barrier()  # every thread's stores before the caller's release
 
-    program(*refs, jnp.asarray(first, jnp.int32), jnp.asarray(count, jnp.int32))
+    program(*refs, jnp.asarray(first, jnp.int32), jnp.asarray(count, jnp.int32),
+            *((jnp.asarray(tile[0], jnp.int32), jnp.asarray(tile[1], jnp.int32)) if tile
+              else ()))
+
+
+def _tile_offset(slot, local, *, wn: int, bk: int):
+    """Byte offset (i32) of element ``(local // bk, slot, local % bk)`` of an SMEM tile ``[S,
+    wn, bk]`` f16 in the wgmma B operand's layout: each step's ``[wn, bk]`` block in tiles of 8
+    rows x 64 columns (row tile, then column tile), a tile's 128-byte row ``r % 8`` with its
+    16-byte chunks XOR-ed with ``r % 8``."""
+    step, within = arith.divui(local, _i32(bk)), arith.remui(local, _i32(bk))
+    t = arith.addi(arith.muli(arith.remui(slot, _i32(8)), _i32(128)),
+                   arith.muli(arith.remui(within, _i32(64)), _i32(2)))
+    t = arith.xori(t, arith.shli(arith.remui(slot, _i32(8)), _i32(4)))
+    base = functools.reduce(arith.addi, [
+        arith.muli(step, _i32(wn * bk * 2)), arith.muli(arith.divui(slot, _i32(8)),
+                                                        _i32(8 * bk * 2)),
+        arith.muli(arith.divui(within, _i32(64)), _i32(1024))])
+    return arith.addi(base, t)
 
 
 def _proxy_fence():
@@ -2103,6 +2237,12 @@ def moe_decode_mosaic_pairs(
             return (pairs, stamps) if timeline else pairs
         gu = launch(a, factor, gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, xs,
                     tile[0], k_splits[0])  # [S * R, 2I]
+        if DOWN_MAKES_H and inter % tile[1].block_k == 0:  # each down program its own h
+            y = slot_matmul(work, gu, down, down_scale, xd, down_global_scale, bias=down_bias,
+                            fmt=fmt, fp8_block=fp8_block, tile=tile[1], k_splits=k_splits[1],
+                            sum_splits=False, interpret=interpret, h_source=HSource(
+                                k_splits[0], activation, layout, limit, alpha))
+            return pairs_of(y.reshape(k_splits[1], rows, hidden), plan)
         h, factor = h_rows(gu, splits=k_splits[0], activation=activation, layout=layout,
                            limit=limit, alpha=alpha, block_k=order(tile[1]),
                            interpret=interpret)
