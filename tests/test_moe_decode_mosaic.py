@@ -237,12 +237,14 @@ def test_compiled_slot_matmul_wide_fp4_steps(fmt, block_k, k, k_splits):
 MX_ROW_MAX_CASES = [(128, 384, 1), (128, 384, 3), (64, 320, 5)] + WIDE_FP4_CASES
 
 
+@pytest.mark.parametrize("row_max", [True, False])
 @pytest.mark.parametrize("block_k,k,k_splits", MX_ROW_MAX_CASES)
-def test_slot_matmul_mx_row_max(monkeypatch, block_k, k, k_splits):
-    """MXFP4 with ``MX_ROW_MAX``: each row's factors against its largest scale over the
-    program's K steps (a K split: its own steps', from its first group), one accumulator, the
-    row's ``2^(s_max - 127 + 6)`` at the end; with the epilogue's row factors and bias."""
-    with mosaic_constants(monkeypatch, MX_ROW_MAX=True):
+def test_slot_matmul_mx_row_max(monkeypatch, block_k, k, k_splits, row_max):
+    """MXFP4 with ``MX_ROW_MAX`` (the default): each row's factors against its largest scale
+    over the program's K steps (a K split: its own steps', from its first group), one
+    accumulator, the row's ``2^(s_max - 127 + 6)`` at the end; and without it, against each
+    step's largest, a partial a step; with the epilogue's row factors and bias."""
+    with mosaic_constants(monkeypatch, MX_ROW_MAX=row_max):
         check_slot_matmul(MXFP4, k, compiled=False, k_splits=k_splits, block_k=block_k,
                           bias_dtype=jnp.float32 if k_splits == 1 else None)
 
@@ -686,7 +688,8 @@ def test_down_makes_h(monkeypatch, t, k, fmt, arrays_kw, variant, pattern):
     bit)."""
     kw = arrays(fmt, **arrays_kw)
     x, ids = x_rows(t), routing(pattern, t, k, seed=5)
-    three = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=False, **kw, **variant)
+    with mosaic_constants(monkeypatch, DOWN_MAKES_H=False):
+        three = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=False, **kw, **variant)
     calls = []
     real_h_rows = mosaic.h_rows
     monkeypatch.setattr(mosaic, "h_rows", lambda *a, **k: calls.append(1) or real_h_rows(*a, **k))

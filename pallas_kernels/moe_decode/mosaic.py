@@ -145,12 +145,12 @@ EPILOGUE_LOADS_AHEAD = True  # the epilogue's row factors and bias loaded before
 #   16, a CTA more an SM each; H200: Qwen3 MXFP4 8 tokens -2.9% busy, gpt-oss MXFP4 1 token
 #   +0.7 us, the other cases even: NOTES, session 29)
 SCALE_PREFETCH = 3  # K steps a scale load is issued before its step (1: the step before)
-MX_ROW_MAX = False  # MXFP4: factors against each row's largest scale over the program's K (one
+MX_ROW_MAX = True  # MXFP4: factors against each row's largest scale over the program's K (one
 #   pre-pass; the steps accumulate like NVFP4's), else against each K step's (a partial a step).
-#   Offline SASS at windows of 8, the K loop's instructions and the kernel's registers: Qwen3
-#   gate_up 433 -> 387 and 80 -> 75, gpt-oss 379 -> 332 and 103 -> 93, DeepSeek-V3 82 -> 75
-#   registers (NOTES, session 32). Off until it has run compiled on the GPU (built and tested
-#   in interpret mode, lowered and assembled offline only)
+#   Offline SASS at windows of 8: the K loop 433 -> 387 instructions (Qwen3 gate_up), 379 -> 332
+#   (gpt-oss), registers 80 -> 75 / 103 -> 93 / 82 -> 75 (DeepSeek-V3). H200 busy us, per step
+#   -> row max (session 33): Qwen3 8 / 32 tokens 61.9 -> 58.1 / 127 -> 124, gpt-oss 1 / 8 tokens
+#   42.9 -> 39.2 / 163 -> 152, DeepSeek-V3 8 tokens 369 -> 343 (0.706 -> 0.738 of HBM)
 BLOCK_N = 64  # weight rows a program (the wgmma's M)
 # Items at T tokens (``choose_item_rows``): 1 row at 1 token (windows of 8), aligned items of 8
 # rows at 2-8 tokens and where the routed rows an expert are few (windows of 8; BF16 16), else
@@ -331,9 +331,10 @@ def _kernel(
 # its window's h for its own K steps from the gate_up output in L2 (``slot_matmul(h_source=)``:
 # ``_h_program_inline`` a row of its item at a time into an SMEM tile in the wgmma B layout),
 # and the h launch (``rows.h_rows``) goes: one launch and its gap fewer a step at 1-7 tokens,
-# for ~100 L2 gathers a thread before each down program's first wgmma. Off until timed on the
-# GPU (NOTES, session 33).
-DOWN_MAKES_H = False
+# for ~100 L2 gathers a thread before each down program's first wgmma. H200 busy us, h launch
+# -> own h (session 33): Qwen3 NVFP4 1 / 3 tokens 20.8 -> 19.6 / 35.1 -> 34.5, FP8 1 token 23.0
+# -> 22.2; gpt-oss MXFP4 1 token 39.3 -> 37.5.
+DOWN_MAKES_H = True
 # ... its h chunks kept in registers up to this many a thread (else recomputed, rolled): the
 # down kernel's registers are the largest of its h part's and its K loop's. Offline ptxas,
 # gpt-oss MXFP4 down at windows of 8, one K split (12 chunks a thread): kept 176 registers,
