@@ -70,8 +70,10 @@ pairs, a radix sort up to 1024; past that XLA's plan and its item cut, ``work_it
 f16 rows in sorted order (``rows.x_rows``) -> gate_up (x's factors and the gate_up bias in
 its epilogue) -> the activation and h's f16 rows (``rows.h_rows``) -> down (h's factors and the
 down bias likewise); each pair's row is picked by the caller's combine (``kernel.pairs_of``,
-fused by XLA). Up to 64 pairs the plan and x's rows are one launch
-(``rows.plan_x_rows``): four. BF16 weights take bf16 rows gathered by XLA. With f16
+fused by XLA). With ``DOWN_MAKES_H`` (the default) the down programs make their own h from the
+gate_up output (``slot_matmul(h_source=)``) and the h launch goes. Up to 64 pairs the plan
+and x's rows are one launch (``rows.plan_x_rows``): four (three with ``DOWN_MAKES_H``).
+BF16 weights take bf16 rows gathered by XLA. With f16
 activations at ``FUSE_MLP_TOKENS`` tokens (``fused``) gate_up, h and down are one launch
 (``slot_mlp``) whose programs wait on GMEM semaphores (the comment above ``slot_mlp``).
 """
