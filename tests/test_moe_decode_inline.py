@@ -169,8 +169,10 @@ def test_emulator_refuses_misaligned_loads(emulated):
         em._load(mem, np.full(em.THREADS, 64), em._Int(8))
 
 
-def _h_reference(gu, rows, first, count, splits, layout, activation, limit, block_k):
-    """``rows.h_rows``' math for sorted rows ``[first, first + count)``: (f16 rows, factors)."""
+def _h_reference(gu, rows, first, count, splits, layout, activation, limit, block_k,
+                 cols=slice(None)):
+    """``rows.h_rows``' math for sorted rows ``[first, first + count)``, h's columns ``cols``
+    (scaled against their own max): (f16 rows, factors)."""
     from pallas_kernels.grouped_matmul.reference import GPT_OSS_ALPHA, split_gate_up
     from pallas_kernels.moe_decode import rows as row_launches
     from pallas_kernels.moe_decode.kernel import _epilogue
@@ -178,7 +180,7 @@ def _h_reference(gu, rows, first, count, splits, layout, activation, limit, bloc
     g = sum(gu[s * rows + first:s * rows + first + count] for s in range(splits))
     gate, up = split_gate_up(jnp.asarray(g), layout)
     h = row_launches._round_to_bf16(_epilogue(gate, up, activation, limit, GPT_OSS_ALPHA))
-    new, factor = row_launches.rows_reference(h, block_k)
+    new, factor = row_launches.rows_reference(h[:, cols], block_k)
     return np.asarray(new), np.asarray(factor)
 
 
@@ -284,15 +286,8 @@ def test_h_tile_inline(emulated, inter, layout, activation, limit, block_k, bk, 
     raw = tile.bytes.reshape(steps, -1)
     got = np.stack([raw[s][at].reshape(wn, bk, 2) for s in range(steps)]).view(np.float16)
     got = got.reshape(steps, wn, bk).transpose(1, 0, 2).reshape(wn, kcols)
-    from pallas_kernels.grouped_matmul.reference import split_gate_up
-    from pallas_kernels.moe_decode import rows as row_launches
-    from pallas_kernels.moe_decode.kernel import _epilogue
-
-    g = sum(gu[s * rows + first:s * rows + first + count] for s in range(splits))
-    gate, up = split_gate_up(jnp.asarray(g), layout)
-    h = row_launches._round_to_bf16(_epilogue(gate, up, activation, limit,
-                                              mosaic.GPT_OSS_ALPHA))[:, k0:k0 + kcols]
-    want, want_f = (np.asarray(v) for v in row_launches.rows_reference(h, block_k))
+    want, want_f = _h_reference(gu, rows, first, count, splits, layout, activation, limit,
+                                block_k, cols=slice(k0, k0 + kcols))
     slots = slice(first - row0, first - row0 + count)
     np.testing.assert_array_equal(factors.array()[slots], want_f)
     scale = np.abs(want.astype(np.float32)).max(axis=1, keepdims=True)

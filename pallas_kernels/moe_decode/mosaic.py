@@ -136,12 +136,13 @@ FP4_PARTS = 2  # wgmmas an FP4 K step of 256 is dotted in (1, 2 or 4; compiled o
 FP4_STEPS = (256, 192)  # FP4 K step widths, the first that divides K (else 128 / 64). 320 (five
 #   parts of 64) takes gpt-oss's 2880 in 9 steps instead of 15 of 192: offline SASS (with
 #   MX_ROW_MAX, FP4_PARTS_192=3), the K loop per code word 29.5 -> 27.2 instructions (MXFP4),
-#   28.4 -> 26.6 (NVFP4), for 64 -> 72 registers (8 -> 7 CTAs an SM). Untimed (NOTES, session
-#   33): the arm is FP4_STEPS=(256,320,192)
+#   28.4 -> 26.6 (NVFP4), for 64 -> 72 registers (8 -> 7 CTAs an SM). H200, gpt-oss MXFP4 busy
+#   us, 192 -> 320: 1 token 37.5 -> 38.3, 8 tokens 152 -> 150 (mixed: NOTES, session 33)
 FP4_PARTS_192 = 1  # the same for steps of 192 (gpt-oss's K of 2880; 1 or 3). 3 (parts of 64):
 #   offline ptxas at windows of 8 (16), with MX_ROW_MAX and H_KEEP_CHUNKS=8, gpt-oss MXFP4 gate_up
 #   93 -> 64 registers (100 -> 72), the one launch 95 -> 68 (103 -> 72): 5 -> 7 CTAs an SM, for
-#   +7% K-loop instructions (two more wgmma waits a step). Untimed (NOTES, session 33)
+#   +7% K-loop instructions (two more wgmma waits a step). H200, gpt-oss MXFP4 busy us, 1 -> 3:
+#   1 token 39.2 -> 39.8, 8 tokens 150 -> 151 (NOTES, session 33)
 EPILOGUE_LOADS_AHEAD = True  # the epilogue's row factors and bias loaded before the K steps
 #   (False: after them: ptxas 83 -> 79 registers for Qwen3 MXFP4 at windows of 8, 83 -> 78 FP8 at
 #   16, a CTA more an SM each; H200: Qwen3 MXFP4 8 tokens -2.9% busy, gpt-oss MXFP4 1 token
@@ -346,7 +347,8 @@ H_TILE_KEEP_CHUNKS = 4
 # The Mosaic launches' first act: griddepcontrol.wait (programmatic dependent launch: a kernel
 # that waits so is marked, and XLA may start its CTAs before the launch ahead of it has
 # finished; the wait holds them until that launch's writes are visible). Nothing the programs
-# read before it comes from an earlier launch. Off until timed on the GPU (NOTES, session 32).
+# read before it comes from an earlier launch. H200, Qwen3 NVFP4 8 tokens: busy 55.8 / 56.0 ->
+# 55.9 / 56.1 us, even (NOTES, session 33): off.
 PDL_WAIT = False
 
 
@@ -452,18 +454,17 @@ def _matmul_program(
 
         return first, advance
 
-    h_smem = {}  # DOWN_MAKES_H: the program's h tile [num_steps, wn, bk] and factors [wn]
-
     def pipeline(step, init_carry, w_tile, a_tile):
-        """``emit_pipeline`` over the K steps: weights and activations by TMA, or (h made by
-        the program) the weights only, each step's activations from the h tile."""
-        if not h_smem:
+        """``emit_pipeline`` over the K steps: weights and activations (``a_tile``: the
+        window's rows in GMEM) by TMA, or (``h_from``: ``a_tile`` the program's own h tile
+        ``[num_steps, wn, bk]`` in SMEM) the weights only, each step's activations
+        ``a_tile.at[step]``."""
+        if h_from is None:
             return plgpu.emit_pipeline(
                 step, grid=(num_steps,), in_specs=[w_spec, a_spec],
                 max_concurrent_steps=tile.num_stages, init_carry=init_carry)(w_tile, a_tile)
-        h_tile = h_smem["tile"]
         return plgpu.emit_pipeline(
-            lambda idx, w_smem, carry: step(idx, w_smem, h_tile.at[idx[0]], carry),
+            lambda idx, w_smem, carry: step(idx, w_smem, a_tile.at[idx[0]], carry),
             grid=(num_steps,), in_specs=[w_spec], max_concurrent_steps=tile.num_stages,
             init_carry=init_carry)(w_tile)
 
@@ -630,7 +631,6 @@ def _matmul_program(
     def make_h(h_tile, h_factor, red):
         """DOWN_MAKES_H: the window's h for this program's K steps into ``h_tile`` (the item's
         rows; interpret mode every window row) and their factors into ``h_factor``."""
-        h_smem.update(tile=h_tile, factor=h_factor)
         k0, kcols = at(0) * bk, num_steps * bk
         if stage_w:
             values, factors = _h_tile_jnp(a_gmem, row0, k0, wn=wn, kcols=kcols, bk=bk,
@@ -648,21 +648,26 @@ def _matmul_program(
         plgpu.commit_smem()  # the generic stores before the wgmmas read the tile
 
     def run(w_gmem, *scales, e, bias_ref=None):
-        """This item's rows through expert ``e`` of one stack, stored."""
-        if h_from is not None and not h_smem:  # the h tile's scope around the whole program
-            def scoped(h_tile, h_factor, red):
-                make_h(h_tile, h_factor, red)
-                run(w_gmem, *scales, e=e, bias_ref=bias_ref)
-
-            pl.run_scoped(scoped, plgpu.SMEM((num_steps, wn, bk), jnp.float16,
-                                             transforms=_transforms(bk * 2, 2)),
-                          plgpu.SMEM((wn,), jnp.float32), plgpu.SMEM((4,), jnp.float32))
-            h_smem.clear()  # (the other stack's run opens its own scope)
+        """This item's rows through expert ``e`` of one stack, stored; with ``h_from``, the
+        program's h tile made first, in a scope around the whole program."""
+        if h_from is None:
+            run_on(w_gmem, *scales, e=e, bias_ref=bias_ref, a_tile=a_gmem.at[pl.ds(row0, wn)],
+                   window_factor=factor_ref, first_factor=row0)
             return
+
+        def scoped(h_tile, h_factor, red):
+            make_h(h_tile, h_factor, red)
+            run_on(w_gmem, *scales, e=e, bias_ref=bias_ref, a_tile=h_tile,
+                   window_factor=h_factor, first_factor=0)
+
+        pl.run_scoped(scoped, plgpu.SMEM((num_steps, wn, bk), jnp.float16,
+                                         transforms=_transforms(bk * 2, 2)),
+                      plgpu.SMEM((wn,), jnp.float32), plgpu.SMEM((4,), jnp.float32))
+
+    def run_on(w_gmem, *scales, e, bias_ref, a_tile, window_factor, first_factor):
+        """``run`` with its activations ``a_tile`` (``pipeline``'s) and the window rows'
+        factors from ``window_factor[first_factor:]`` (or None)."""
         w_tile = w_gmem.at[e, pl.ds(n0, bn)]
-        a_tile = None if h_smem else a_gmem.at[pl.ds(row0, wn)]
-        window_factor = h_smem.get("factor", factor_ref)  # [R] at row0, or the tile's [wn]
-        first_factor = 0 if h_smem else row0
 
         def epilogue_operands():
             """The window rows' factors ``[bn, wn]`` and the bias ``[bn]`` (or None)."""
@@ -1518,7 +1523,8 @@ H_KEEP_CHUNKS = 16  # chunks a thread keeps in registers between the max and the
 # Offline ptxas, the one launch at windows of 8 with H_KEEP_CHUNKS=8 and H_ROLL 1 to 6
 # (gpt-oss's 12 chunks a thread rolled; Qwen3's 3 still kept): gpt-oss FP8 115 -> 69 registers
 # (its matmuls' 66), NVFP4 109 -> 93, MXFP4 109 -> 104 (95 with MX_ROW_MAX); at 12 (one
-# iteration) 110. Not timed on the GPU: NOTES, session 32.
+# iteration) 110. H200, H_KEEP_CHUNKS=8 at gpt-oss 8 tokens: FP8 busy 192 -> 199 us, MXFP4 152
+# -> 150 (NOTES, session 33): kept at 16.
 H_ROLL = 6
 FUSED_WAIT = True  # False: the programs skip their waits (wrong results: timing only)
 
@@ -1530,16 +1536,24 @@ def _h_program_jnp(gu_ref, h_ref, hf_ref, first, count, *, splits: int, rows: in
     ``h_ref``'s columns past I (the interpreter's padding to whole K steps) get zeros."""
     inter, n = gu_ref.shape[1] // 2, min(H_PROGRAM_ROWS, rows)
     at = jnp.minimum(first, rows - n)  # n rows from here hold the program's, inside R
-    gu = gu_ref[pl.ds(at, n), :]
-    for s in range(1, splits):
-        gu = gu + gu_ref[pl.ds(s * rows + at, n), :]
-    gate, up = split_gate_up(gu, layout)
-    h = row_launches._round_to_bf16(_epilogue(gate, up, activation, limit, alpha))
+    h = _h_jnp(gu_ref, at, n, splits=splits, rows=rows, layout=layout, activation=activation,
+               limit=limit, alpha=alpha)
     new, factor = row_launches.rows_reference(h, block_k)
     new = jnp.pad(new, ((0, 0), (0, h_ref.shape[1] - inter)))
     valid = (at + jnp.arange(n) >= first) & (at + jnp.arange(n) < first + count)
     h_ref[pl.ds(at, n), :] = jnp.where(valid[:, None], new, h_ref[pl.ds(at, n), :])
     hf_ref[pl.ds(at, n)] = jnp.where(valid, factor, hf_ref[pl.ds(at, n)])
+
+
+def _h_jnp(gu_ref, at, n: int, *, splits: int, rows: int, layout: GateUpLayout,
+           activation: Activation, limit, alpha: float):
+    """Sorted rows ``[at, at + n)`` of the gate_up output (K-split partials summed) -> ``act(gate)
+    * up`` rounded to bf16 ``[n, I]`` f32 (``rows.h_rows``' math)."""
+    gu = gu_ref[pl.ds(at, n), :]
+    for s in range(1, splits):
+        gu = gu + gu_ref[pl.ds(s * rows + at, n), :]
+    gate, up = split_gate_up(gu, layout)
+    return row_launches._round_to_bf16(_epilogue(gate, up, activation, limit, alpha))
 
 
 def _h_tile_jnp(gu_ref, row0, k0, *, wn: int, kcols: int, bk: int, splits: int, rows: int,
@@ -1549,11 +1563,8 @@ def _h_tile_jnp(gu_ref, row0, k0, *, wn: int, kcols: int, bk: int, splits: int, 
     window row ``row0 .. row0 + wn - 1``: h's columns ``[k0, k0 + kcols)`` (``rows.h_rows``'
     math), scaled against their own max -> (``[kcols / bk, wn, bk]`` f16 in the operand order,
     ``[wn]`` f32 factors)."""
-    gu = gu_ref[pl.ds(row0, wn), :]
-    for s in range(1, splits):
-        gu = gu + gu_ref[pl.ds(s * rows + row0, wn), :]
-    gate, up = split_gate_up(gu, layout)
-    h = row_launches._round_to_bf16(_epilogue(gate, up, activation, limit, alpha))
+    h = _h_jnp(gu_ref, row0, wn, splits=splits, rows=rows, layout=layout,
+               activation=activation, limit=limit, alpha=alpha)
     h = lax.dynamic_slice_in_dim(h, k0, kcols, axis=1)
     values, factors = row_launches.rows_reference(h, block_k)
     return values.reshape(wn, kcols // bk, bk).transpose(1, 0, 2), factors
