@@ -26,6 +26,7 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import atlas_jax as aj  # noqa: E402
 from atlas_jax.moe import routing  # noqa: E402
 from benchmarks import moe_decode as md  # noqa: E402
 from benchmarks._common import clock_samples, hbm_copy_bandwidth, table  # noqa: E402
@@ -34,7 +35,8 @@ from pallas_kernels.moe_decode import rows as row_launches  # noqa: E402
 
 MODULES = {"mosaic": mosaic, "routing": routing, "rows": row_launches}
 COLUMNS = ["shape", "format", "tokens", "arm", "round", "busy_us", "step_us", "busy_frac_hbm",
-           "frac_hbm", "sm_mhz_min", "power_w_max"]
+           "frac_hbm", "sm_mhz_min", "power_w_max", "rel_err", "ok"]
+TOLERANCE = 1e-2  # moe_decode.py's check: the XLA decode path rounds FP8 / NVFP4 h its own way
 
 
 def parse_arm(text: str) -> dict[tuple[str, str], object]:
@@ -74,7 +76,10 @@ def arm_argument(text: str) -> dict[tuple[str, str], object]:
 
 def run_arms(shape: str, formats, token_counts, arms: list[str], *, repeats: int, loops: int,
              hbm: float) -> list[dict]:
-    """One row a (format, tokens, round, arm), the arms in turn inside each round."""
+    """One row a (format, tokens, round, arm), the arms in turn inside each round; in the
+    first round each arm's step output (the first token set) against the XLA decode path's
+    (``rel_err``; ``ok`` within ``TOLERANCE``), so an arm that times well but computes
+    wrong shows."""
     parsed = [parse_arm(a) for a in arms]
     names = {key for p in parsed for key in p}
     code = {key: getattr(MODULES[key[0]], key[1]) for key in names}
@@ -86,12 +91,17 @@ def run_arms(shape: str, formats, token_counts, arms: list[str], *, repeats: int
             for tokens in token_counts:
                 xs = md.token_sets(tokens, p.config.hidden_size)
                 _, nbytes = md.step_bytes(p, xs, per_expert, shared)
+                forward = jax.jit(aj.moe_forward, static_argnames="kernels")
+                expected = forward(p, xs[0], kernels=md.XLA_DECODE)
                 for r in range(repeats):
                     for text, values in zip(arms, parsed, strict=True):
                         set_constants(code | values)
                         jax.clear_caches()
                         row = dict(shape=shape, format=fmt, tokens=tokens, arm=text or "code",
                                    round=r)
+                        if r == 0:
+                            err = md.rel_err(forward(p, xs[0], kernels=md.PALLAS), expected)
+                            row.update(rel_err=err, ok="yes" if err < TOLERANCE else "NO")
                         busy, err = md._time(md.PALLAS, p, xs, loops, busy=True)
                         if busy:
                             row.update(busy_us=busy[0] * 1e6,

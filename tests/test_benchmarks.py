@@ -227,7 +227,8 @@ def test_sass_loops_finds_backward_branches():
 
 def test_arms_benchmark_times_each_arm_in_turn():
     """The A/B script (interpret mode off GPU): a row a (round, arm) in turn, each a step
-    time, the code's constants back afterwards."""
+    time, the first round's outputs checked against the XLA decode path, the code's constants
+    back afterwards."""
     proc = subprocess.run([sys.executable, "benchmarks/moe_decode_arms.py", "--tiny", "--arms",
                            "", "FP4_PARTS=4 routing.ROUTER_REDUCE_MAX_PRODUCTS=0",
                            "--repeats", "2"], cwd=ROOT, capture_output=True, text=True,
@@ -237,6 +238,8 @@ def test_arms_benchmark_times_each_arm_in_turn():
     arms = _column(final, "arm")
     assert arms == ["code", "FP4_PARTS=4 routing.ROUTER_REDUCE_MAX_PRODUCTS=0"] * 2, final
     assert all(np.isfinite(float(c)) for c in _column(final, "step_us")), final
+    assert _column(final, "ok") == ["yes", "yes", "", ""], final
+    assert all(float(c) < 1e-2 for c in _column(final, "rel_err")[:2]), final
 
 
 def test_clock_samples(monkeypatch):

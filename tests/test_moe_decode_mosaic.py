@@ -742,6 +742,23 @@ def test_blocked_items_against_reference(monkeypatch, t, k, fmt, patterns, fused
             assert (np.delete(tok, rows) == -1).all()  # padding rows
 
 
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
+@pytest.mark.parametrize("t", [9, 33])
+@pytest.mark.parametrize("fmt", [FP8, NVFP4, MXFP4], ids=lambda f: f.value)
+@pytest.mark.parametrize("fused", [False, True], ids=["three_launches", "one_launch"])
+def test_compiled_blocked_items_on_gpu(monkeypatch, t, fmt, fused):
+    """The blocked plan compiled: the radix plan program's blocks (Triton) equal XLA's, and
+    the Mosaic kernels on them equal the reference (padding rows between the blocks)."""
+    with mosaic_constants(monkeypatch, BLOCKED_ITEM_TOKENS=(2, 64)):
+        rng = np.random.default_rng(t)  # Qwen3's routing: 8 of 128 experts a token
+        ids = jnp.asarray(np.stack([rng.permutation(128)[:8] for _ in range(t)]), jnp.int32)
+        plan = make_plan(ids, 128, blocked=True)
+        radix = jax.jit(lambda i: make_plan(i, 128, pallas=True, blocked=True))(ids)
+        for name in ("work", "token_of_row", "row_of_pair", "routed", "items"):
+            np.testing.assert_array_equal(getattr(radix, name), getattr(plan, name), name)
+        check_compiled(fmt, (1, 1), t, fused, inter=512)
+
+
 @pytest.mark.parametrize("t,k,e", [(12, 8, 128), (2, 4, 32)])
 def test_blocked_radix_plan_lowers_for_h200(t, k, e):
     """The radix plan program with blocks lowers to Triton for the H200 (no GPU: an abstract
