@@ -54,14 +54,14 @@ def emulated(monkeypatch):
         yield
 
 
-def _operand_case(fmt, k, bk, parts, row_max, split, monkeypatch):
-    """One program's step: the emulated scale loads, factors and code conversion (in
-    ``parts``) against the jnp twins, column tile 2, for expert 1 and the middle step of the
-    first K split (``split`` 0), or the last expert and the last step of the last split (1:
-    the loads nearest the end of the scales)."""
-    rng = np.random.default_rng(bk * 7 + parts + 100 * row_max + k)
+def _operand_case(fmt, k, bk, parts, split):
+    """One program's step: the emulated scale loads, factors (MXFP4: against the rows'
+    largest scale over the split's steps) and code conversion (in ``parts``) against the jnp
+    twins, column tile 2, for expert 1 and the middle step of the first K split (``split``
+    0), or the last expert and the last step of the last split (1: the loads nearest the end
+    of the scales)."""
+    rng = np.random.default_rng(bk * 7 + parts + k)
     tile = SlotTile(block_k=bk)
-    monkeypatch.setattr(mosaic, "MX_ROW_MAX", row_max)
     scale = _scales(rng, fmt, k)
     e, n0 = (1, 2 * BLOCK_N) if split == 0 else (EXPERTS - 1, 2 * BLOCK_N)
     steps = k // bk
@@ -72,7 +72,7 @@ def _operand_case(fmt, k, bk, parts, row_max, split, monkeypatch):
     g = bk // _groups(fmt)
     s = jnp.asarray(scale[e, n0:n0 + BLOCK_N, kb * g:(kb + 1) * g])
     top_ref = top = None
-    if row_max:
+    if fmt == "mxfp4":
         first = min(split, splits - 1) * per_split * (bk // 32)
         span = per_split * (bk // 32)
         top_ref = jnp.asarray(scale[e, n0:n0 + BLOCK_N, first:first + span].astype(np.int32)
@@ -83,14 +83,11 @@ def _operand_case(fmt, k, bk, parts, row_max, split, monkeypatch):
     want = mosaic._fp4_factors_jnp(s, fmt=fmt, top=top_ref)
     bits = mosaic._fp4_scale_bits_inline(scale, e * N + n0, kb, fmt=fmt, tile=tile)
     got = mosaic._fp4_factors_inline(bits, fmt=fmt, tile=tile, top=top)
-    assert len(got) == len(want)
-    if len(want) == 2:  # MXFP4's per-step partial scale (against the step's largest byte)
-        np.testing.assert_array_equal(row_values(got[1]), np.asarray(want[1]))
-    operand = np.asarray(mosaic._fp4_operands_jnp(jnp.asarray(codes), want[0]))  # [bn, bk]
+    operand = np.asarray(mosaic._fp4_operands_jnp(jnp.asarray(codes), want))  # [bn, bk]
     smem = smem_image(codes, mosaic._code_transforms(bk)[1].swizzle)
     cols = bk // parts
     for h in range(parts):
-        part = mosaic._fp4_operands_inline(smem, got[0], tile=tile, part=h, parts=parts)
+        part = mosaic._fp4_operands_inline(smem, got, tile=tile, part=h, parts=parts)
         np.testing.assert_array_equal(
             wgmma_matrix(part, cols).view(np.uint16),
             operand[:, h * cols:(h + 1) * cols].view(np.uint16), err_msg=f"part {h}")
@@ -98,15 +95,14 @@ def _operand_case(fmt, k, bk, parts, row_max, split, monkeypatch):
 
 @pytest.mark.parametrize("k,bk", CASES)
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_fp4_operands_inline(emulated, monkeypatch, fmt, k, bk):
+def test_fp4_operands_inline(emulated, fmt, k, bk):
     """A step's f16 A operand (codes x factors, operand column order) from the compiled path's
     blocks equals interpret mode's, bit for bit, in every part count the step takes, with
-    MXFP4's factors against the step's largest scale and (``MX_ROW_MAX``) the row's over the
-    program's steps, in the first and the second K split."""
+    MXFP4's factors against the row's largest scale over the program's steps, in the first and
+    the second K split."""
     for parts in _parts(bk):
-        for row_max in ([False, True] if fmt == "mxfp4" else [False]):
-            for split in (0, 1):
-                _operand_case(fmt, k, bk, parts, row_max, split, monkeypatch)
+        for split in (0, 1):
+            _operand_case(fmt, k, bk, parts, split)
 
 
 @pytest.mark.parametrize("k,bk,first_step,steps", [

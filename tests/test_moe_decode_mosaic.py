@@ -234,33 +234,29 @@ def test_compiled_slot_matmul_wide_fp4_steps(fmt, block_k, k, k_splits):
 
 # (block_k, K, k_splits): steps of 128 and 64 (a thread's columns in one E8M0 group, or half
 # of one), then the wide steps
-MX_ROW_MAX_CASES = [(128, 384, 1), (128, 384, 3), (64, 320, 5)] + WIDE_FP4_CASES
+MX_CASES = [(128, 384, 1), (128, 384, 3), (64, 320, 5)] + WIDE_FP4_CASES
 
 
-@pytest.mark.parametrize("row_max", [True, False])
-@pytest.mark.parametrize("block_k,k,k_splits", MX_ROW_MAX_CASES)
-def test_slot_matmul_mx_row_max(monkeypatch, block_k, k, k_splits, row_max):
-    """MXFP4 with ``MX_ROW_MAX`` (the default): each row's factors against its largest scale
-    over the program's K steps (a K split: its own steps', from its first group), one
-    accumulator, the row's ``2^(s_max - 127 + 6)`` at the end; and without it, against each
-    step's largest, a partial a step; with the epilogue's row factors and bias."""
-    with mosaic_constants(monkeypatch, MX_ROW_MAX=row_max):
-        check_slot_matmul(MXFP4, k, compiled=False, k_splits=k_splits, block_k=block_k,
-                          bias_dtype=jnp.float32 if k_splits == 1 else None)
+@pytest.mark.parametrize("block_k,k,k_splits", MX_CASES)
+def test_slot_matmul_mx_row_max(block_k, k, k_splits):
+    """MXFP4: each row's factors against its largest scale over the program's K steps (a K
+    split: its own steps', from its first group), one accumulator, the row's ``2^(s_max - 127
+    + 6)`` at the end; with the epilogue's row factors and bias."""
+    check_slot_matmul(MXFP4, k, compiled=False, k_splits=k_splits, block_k=block_k,
+                      bias_dtype=jnp.float32 if k_splits == 1 else None)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
 @pytest.mark.parametrize("item_rows", [8, 16])
-@pytest.mark.parametrize("block_k,k,k_splits", MX_ROW_MAX_CASES + [
+@pytest.mark.parametrize("block_k,k,k_splits", MX_CASES + [
     (256, 2048, 2), (192, 2880, 1), (192, 2880, 3)])
-def test_compiled_slot_matmul_mx_row_max(monkeypatch, block_k, k, k_splits, item_rows):
+def test_compiled_slot_matmul_mx_row_max(block_k, k, k_splits, item_rows):
     """The compiled row-max pre-pass (a quad's threads each every fourth load of the program's
     scale bytes, two shuffles; 8-byte loads, or 2-byte ones for gpt-oss's 90-byte rows) and
     each thread's own scale bytes a step (one 2-byte load at steps of 256, bytes at 192 where
     a quad's threads start in different groups)."""
-    with mosaic_constants(monkeypatch, MX_ROW_MAX=True):
-        check_slot_matmul(MXFP4, k, compiled=True, k_splits=k_splits, block_k=block_k,
-                          item_rows=item_rows, bias_dtype=jnp.float32 if k_splits == 1 else None)
+    check_slot_matmul(MXFP4, k, compiled=True, k_splits=k_splits, block_k=block_k,
+                      item_rows=item_rows, bias_dtype=jnp.float32 if k_splits == 1 else None)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
@@ -277,13 +273,11 @@ def test_compiled_fp4_parts(monkeypatch, fmt, parts, item_rows, k, k_splits):
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
-@pytest.mark.parametrize("row_max", [False, True])
 @pytest.mark.parametrize("item_rows,k,k_splits", [(8, 960, 1), (16, 2880, 3), (1, 576, 1)])
-def test_compiled_fp4_parts_192(monkeypatch, fmt, row_max, item_rows, k, k_splits):
+def test_compiled_fp4_parts_192(monkeypatch, fmt, item_rows, k, k_splits):
     """A compiled FP4 K step of 192 dotted as three wgmmas of 64 (``FP4_PARTS_192``: one
-    8-byte code load a row a part; MXFP4's 32-column groups span two parts), with either MXFP4
-    factor rule."""
-    with mosaic_constants(monkeypatch, FP4_PARTS_192=3, MX_ROW_MAX=row_max):
+    8-byte code load a row a part; MXFP4's 32-column groups span two parts)."""
+    with mosaic_constants(monkeypatch, FP4_PARTS_192=3):
         check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, block_k=192,
                           item_rows=item_rows, bias_dtype=jnp.float32)
 
@@ -459,16 +453,15 @@ def test_fp4_rows_and_scales_far_apart(fmt):
     False, pytest.param(True, marks=pytest.mark.skipif(
         not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels"))],
     ids=["interpret", "compiled"])
-def test_mx_row_max_scales_far_apart(monkeypatch, compiled):
-    """``MX_ROW_MAX`` on the far-apart case (E8M0 scales over 2^-50 .. 2^10 within rows: blocks
-    far below their row's largest fall to f16 subnormals or 0): every row still matches the
-    reference on its own, in three launches and in one."""
+def test_mx_row_max_scales_far_apart(compiled):
+    """MXFP4's row-max factors on the far-apart case (E8M0 scales over 2^-50 .. 2^10 within
+    rows: blocks far below their row's largest fall to f16 subnormals or 0): every row still
+    matches the reference on its own, in three launches and in one."""
     x, ids, kw = far_apart_case(MXFP4, arrays(MXFP4))
     ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw)
-    with mosaic_constants(monkeypatch, MX_ROW_MAX=True):
-        for fused in (False, True):
-            out = moe_decode_mosaic_pairs(x, ids, **kw, fused=fused, interpret=not compiled)
-            assert_pairs_close(out, ref, ids, E, tol=5e-3)
+    for fused in (False, True):
+        out = moe_decode_mosaic_pairs(x, ids, **kw, fused=fused, interpret=not compiled)
+        assert_pairs_close(out, ref, ids, E, tol=5e-3)
 
 
 @pytest.mark.parametrize("pattern", ["random", "repeated", "one_expert", "zero_experts",
@@ -864,16 +857,13 @@ def extra_case(fmt, t: int):
     return kw, extra_kw, extra, x_rows(t), ids
 
 
-@pytest.mark.parametrize("fmt,row_max", [(FP8, False), (BF16, False), (NVFP4, False),
-                                         (MXFP4, True)], ids=["fp8", "bf16", "nvfp4",
-                                                              "mxfp4-row_max"])
-def test_extra_stack(monkeypatch, fmt, row_max):
+@pytest.mark.parametrize("fmt", [FP8, BF16, NVFP4, MXFP4], ids=lambda v: v.value)
+def test_extra_stack(fmt):
     """A shared expert folded in as expert id E (every token), and routed pairs beside it
-    (MXFP4 with ``MX_ROW_MAX``: the extra stack's own scales' row tops)."""
+    (MXFP4: the extra stack's own scales' row tops)."""
     kw, extra_kw, extra, x, ids = extra_case(fmt, 5)
     t = 5
-    with mosaic_constants(monkeypatch, MX_ROW_MAX=row_max):
-        out = moe_decode_mosaic_pairs(x, ids, interpret=True, extra=extra, **kw)
+    out = moe_decode_mosaic_pairs(x, ids, interpret=True, extra=extra, **kw)
     ref = moe_decode_pairs_reference(x, ids[:, :2], h_dtype=jnp.bfloat16, **kw)
     ref_shared = moe_decode_pairs_reference(x, jnp.zeros((t, 1), jnp.int32),
                                             h_dtype=jnp.bfloat16, **extra_kw)
@@ -1077,8 +1067,7 @@ class TestLowersForHopper:
     def test_fp4_parts_192_lower(self, monkeypatch, fmt):
         """gpt-oss's K steps of 192 dotted as three wgmmas (``FP4_PARTS_192``), in its three
         launches and its one launch; two parts (12 bytes of a thread's row) are refused."""
-        with mosaic_constants(monkeypatch, FP4_PARTS_192=3, MX_ROW_MAX=fmt is MXFP4,
-                              H_KEEP_CHUNKS=8):
+        with mosaic_constants(monkeypatch, FP4_PARTS_192=3, H_KEEP_CHUNKS=8):
             self.lower_slot_matmul(fmt, 5760, 2880, 3)
             self.lower_one_launch(fmt, 2880, 2880, (1, 1), dict(
                 activation="gpt_oss", layout="interleaved", limit=7.0, rows=8))
@@ -1123,24 +1112,21 @@ class TestLowersForHopper:
     @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda v: v.value)
     def test_fp4_steps_320_lower(self, monkeypatch, fmt):
         """gpt-oss's K in 9 steps of 320 (``FP4_STEPS``, five parts of 64), its three launches'
-        gate_up and its one launch, both MXFP4 factor rules."""
-        for row_max in ([False, True] if fmt is MXFP4 else [False]):
-            with mosaic_constants(monkeypatch, FP4_STEPS=(256, 320, 192), MX_ROW_MAX=row_max,
-                                  H_KEEP_CHUNKS=8):
-                self.lower_slot_matmul(fmt, 5760, 2880, 3)
-                self.lower_one_launch(fmt, 2880, 2880, (1, 1), dict(
-                    activation="gpt_oss", layout="interleaved", limit=7.0, rows=8))
+        gate_up and its one launch."""
+        with mosaic_constants(monkeypatch, FP4_STEPS=(256, 320, 192), H_KEEP_CHUNKS=8):
+            self.lower_slot_matmul(fmt, 5760, 2880, 3)
+            self.lower_one_launch(fmt, 2880, 2880, (1, 1), dict(
+                activation="gpt_oss", layout="interleaved", limit=7.0, rows=8))
 
     @pytest.mark.parametrize("n,k,k_splits", [(1536, 2048, 1), (5760, 2880, 1),
                                               (2880, 2880, 3), (2048, 768, 3)])
-    def test_mx_row_max_lowers(self, monkeypatch, n, k, k_splits):
-        """MXFP4 with ``MX_ROW_MAX`` (the pre-pass, own scale bytes, one accumulator) for
-        Qwen3's and gpt-oss's shapes, and gpt-oss's one launch."""
-        with mosaic_constants(monkeypatch, MX_ROW_MAX=True):
-            self.test_lowers(MXFP4, n, k, k_splits)
-            if k == 2880 and k_splits == 1:
-                self.lower_one_launch(MXFP4, 2880, 2880, (1, 1), dict(
-                    activation="gpt_oss", layout="interleaved", limit=7.0, rows=8))
+    def test_mx_row_max_lowers(self, n, k, k_splits):
+        """MXFP4 (the row-max pre-pass, own scale bytes, one accumulator) for Qwen3's and
+        gpt-oss's shapes, and gpt-oss's one launch."""
+        self.test_lowers(MXFP4, n, k, k_splits)
+        if k == 2880 and k_splits == 1:
+            self.lower_one_launch(MXFP4, 2880, 2880, (1, 1), dict(
+                activation="gpt_oss", layout="interleaved", limit=7.0, rows=8))
 
     @pytest.mark.parametrize("fmt,h,inter,k_splits,variant", [
         (FP8, 2048, 768, (1, 1), dict()),  # Qwen3-30B-A3B

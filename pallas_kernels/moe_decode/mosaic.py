@@ -47,11 +47,10 @@ TMA (one swizzled tile a row); an ``inline_mgpu`` block (``_fp4_operands_inline`
 thread its own bytes of its two rows (one SMEM vector load a row), places each nibble's bits
 in an e4m3 byte (``e2m1 * 2^-6``, four a 32-bit op), converts byte pairs to f16x2
 (``cvt.rn.f16x2.e4m3x2``) and multiplies each by a per-row factor of its scale group: NVFP4
-the e4m3 scale (exact in f16), MXFP4 ``2^(s - s_max)`` against the largest E8M0 scale of the
-row's K step (the step's partial then times ``2^(s_max - 127 + 6)``), or with ``MX_ROW_MAX``
-against the largest of the row's scales the program reads (one pre-pass, the quad's threads
-sharing the loads; the steps accumulate like NVFP4's, times ``2^(s_max - 127 + 6)`` at the
-end; each thread loads only its own groups' scale bytes). The column order that
+the e4m3 scale (exact in f16), MXFP4 ``2^(s - s_max)`` against the largest of the row's E8M0
+scales the program reads (one pre-pass, the quad's threads sharing the loads; the steps
+accumulate like NVFP4's, times ``2^(s_max - 127 + 6)`` at the end; each thread loads only its
+own groups' scale bytes). The column order that
 needs no shuffles (``fp4_operand_order``) is applied to the activations instead
 (``permute_fp4_activations``). One wgmma a K step; NVFP4 accumulates in one accumulator,
 times ``2^6`` and the global scale at the end. The scales come from global memory, 1-8 bytes
@@ -135,11 +134,11 @@ FP4_PARTS = 2  # wgmmas an FP4 K step of 256 is dotted in (1, 2 or 4; compiled o
 #   registers, one more CTA an SM, yet +2.5-3% on Qwen3 NVFP4 on the H200: NOTES, session 28)
 FP4_STEPS = (256, 192)  # FP4 K step widths, the first that divides K (else 128 / 64). 320 (five
 #   parts of 64) takes gpt-oss's 2880 in 9 steps instead of 15 of 192: offline SASS (with
-#   MX_ROW_MAX, FP4_PARTS_192=3), the K loop per code word 29.5 -> 27.2 instructions (MXFP4),
+#   FP4_PARTS_192=3), the K loop per code word 29.5 -> 27.2 instructions (MXFP4),
 #   28.4 -> 26.6 (NVFP4), for 64 -> 72 registers (8 -> 7 CTAs an SM). H200, gpt-oss MXFP4 busy
 #   us, 192 -> 320: 1 token 37.5 -> 38.3, 8 tokens 152 -> 150 (mixed: NOTES, session 33)
 FP4_PARTS_192 = 1  # the same for steps of 192 (gpt-oss's K of 2880; 1 or 3). 3 (parts of 64):
-#   offline ptxas at windows of 8 (16), with MX_ROW_MAX and H_KEEP_CHUNKS=8, gpt-oss MXFP4 gate_up
+#   offline ptxas at windows of 8 (16), with H_KEEP_CHUNKS=8, gpt-oss MXFP4 gate_up
 #   93 -> 64 registers (100 -> 72), the one launch 95 -> 68 (103 -> 72): 5 -> 7 CTAs an SM, for
 #   +7% K-loop instructions (two more wgmma waits a step). H200, gpt-oss MXFP4 busy us, 1 -> 3:
 #   1 token 39.2 -> 39.8, 8 tokens 150 -> 151 (NOTES, session 33)
@@ -148,12 +147,13 @@ EPILOGUE_LOADS_AHEAD = True  # the epilogue's row factors and bias loaded before
 #   16, a CTA more an SM each; H200: Qwen3 MXFP4 8 tokens -2.9% busy, gpt-oss MXFP4 1 token
 #   +0.7 us, the other cases even: NOTES, session 29)
 SCALE_PREFETCH = 3  # K steps a scale load is issued before its step (1: the step before)
-MX_ROW_MAX = True  # MXFP4: factors against each row's largest scale over the program's K (one
-#   pre-pass; the steps accumulate like NVFP4's), else against each K step's (a partial a step).
-#   Offline SASS at windows of 8: the K loop 433 -> 387 instructions (Qwen3 gate_up), 379 -> 332
-#   (gpt-oss), registers 80 -> 75 / 103 -> 93 / 82 -> 75 (DeepSeek-V3). H200 busy us, per step
-#   -> row max (session 33): Qwen3 8 / 32 tokens 61.9 -> 58.1 / 127 -> 124, gpt-oss 1 / 8 tokens
-#   42.9 -> 39.2 / 163 -> 152, DeepSeek-V3 8 tokens 369 -> 343 (0.706 -> 0.738 of HBM)
+# MXFP4's factors are against each row's largest scale over the program's K (one pre-pass; the
+#   steps accumulate like NVFP4's). Against each K step's largest (a partial a step, removed in
+#   session 34) the K loop had 433 / 379 instructions (Qwen3 / gpt-oss gate_up, offline SASS at
+#   windows of 8; now 387 / 332) and 80 / 103 / 82 registers (Qwen3 / gpt-oss / DeepSeek-V3;
+#   now 75 / 93 / 75). H200 busy us, per step -> row max (session 33): Qwen3 8 / 32 tokens 61.9
+#   -> 58.1 / 127 -> 124, gpt-oss 1 / 8 tokens 42.9 -> 39.2 / 163 -> 152, DeepSeek-V3 8 tokens
+#   369 -> 343 (0.706 -> 0.738 of HBM)
 BLOCK_N = 64  # weight rows a program (the wgmma's M)
 # Items at T tokens (``choose_item_rows``): 1 row at 1 token (windows of 8), aligned items of 8
 # rows at 2-8 tokens and where the routed rows an expert are few (windows of 8; BF16 16), else
@@ -495,10 +495,9 @@ def _matmul_program(
 
     def fp4_steps(w_tile, a_tile, scale_ref, global_ref, e):
         """NVFP4 / MXFP4: each step's codes become one ``[bn, bk]`` f16 A operand with the
-        scales folded in (``_fp4_operands_inline``). NVFP4 accumulates every step in one
-        accumulator; MXFP4 dots each step into a partial multiplied by its rows'
-        ``2^(s_max - 127 + PLACEMENT)``, or with ``MX_ROW_MAX`` accumulates like NVFP4 against
-        the rows' largest scales over the program's steps (a pre-pass before them). The scale
+        scales folded in (``_fp4_operands_inline``), every step into one accumulator; MXFP4's
+        factors are against the rows' largest scales over the program's steps (a pre-pass
+        before them), the accumulator then times ``2^(s_max - 127 + PLACEMENT)``. The scale
         bytes are loaded ``SCALE_PREFETCH`` steps before their step turns them into factors (a
         load's latency not on a step's path)."""
         if stage_w:
@@ -512,8 +511,7 @@ def _matmul_program(
             factors_of = functools.partial(_fp4_factors_inline, fmt=fmt, tile=tile)
             operands_of = functools.partial(_fp4_operands_inline, tile=tile)
         first, advance = ahead(lambda kb: bits_of(at(kb)))
-        row_max = fmt == "mxfp4" and MX_ROW_MAX
-        if row_max:  # each row's largest scale over this program's K steps (after the first
+        if fmt == "mxfp4":  # each row's largest scale over this program's K steps (after the first
             #   steps' scale loads are issued: their latency overlaps the pre-pass's)
             step_groups = bk // 32
             span = dict(groups=num_steps * step_groups)
@@ -530,70 +528,35 @@ def _matmul_program(
         # (MXFP4); H200, MXFP4 8 / 64 tokens -4.5% / -3%, NVFP4 even (NOTES, session 24)
         parts = 1 if stage_w else {256: FP4_PARTS, 192: FP4_PARTS_192, 320: 5}.get(bk, 1)
 
-        def step_operand(kb, w_smem, queue):
-            """(this step's operand, its factors, the queue of the steps after it)."""
-            bits, queue = advance(kb, queue)
+        def step(idx, w_smem, a_smem, carry):
+            """Step ``idx``'s wgmma into the accumulator, waited: one of ``[bn, bk]``, or
+            ``parts`` of ``[bn, bk / parts]`` in turn, each part's operand converted after the
+            previous wgmma (their registers reused)."""
+            acc_ref, queue = carry
+            bits, queue = advance(idx[0], queue)
             factors = factors_of(bits)
-            return staged(operands_of(w_smem, factors[0])), factors, queue
-
-        def step_mma(acc_ref, kb, w_smem, a_smem, queue):
-            """Step ``kb``'s wgmma into ``acc_ref``, waited: one of ``[bn, bk]``, or ``parts``
-            of ``[bn, bk / parts]`` in turn, each part's operand converted after the previous
-            wgmma (their registers reused). (factors, queue)."""
             if parts == 1:
-                w, factors, queue = step_operand(kb, w_smem, queue)
+                w = staged(operands_of(w_smem, factors))
                 plgpu.wgmma(acc_ref, w, a_smem.transpose((1, 0)))  # [bn, bk] x [bk, wn]
                 plgpu.wgmma_wait(0)  # w's registers and the activation tile are free again
-                return factors, queue
-            bits, queue = advance(kb, queue)
-            factors = factors_of(bits)
+                return acc_ref, queue
             cols = bk // parts
             for h in range(parts):
-                w = operands_of(w_smem, factors[0], part=h, parts=parts)
+                w = operands_of(w_smem, factors, part=h, parts=parts)
                 a_part = a_smem.at[:, pl.ds(h * cols, cols)]
                 plgpu.wgmma(acc_ref, w, a_part.transpose((1, 0)))
                 plgpu.wgmma_wait(0)
-            return factors, queue
-
-        if fmt == "mxfp4" and not row_max:
-            def step(idx, w_smem, a_smem, carry):
-                acc, queue = carry
-                if parts > 1:
-                    def mma(part):
-                        factors, queue_ = step_mma(part, idx[0], w_smem, a_smem, queue)
-                        return part[...], factors, queue_
-
-                    part, factors, queue = pl.run_scoped(mma, plgpu.ACC((bn, wn),
-                                                                        jnp.float32))
-                else:
-                    w, factors, queue = step_operand(idx[0], w_smem, queue)
-
-                    def mma(part):
-                        plgpu.wgmma(part, w, a_smem.transpose((1, 0)))  # [bn, bk] x [bk, wn]
-                        return part[...]
-
-                    part = pl.run_scoped(mma, plgpu.ACC((bn, wn), jnp.float32))
-                part = part * lax.broadcast_in_dim(factors[1], (bn, wn), [0])
-                return acc + part, queue
-
-            zeros = plgpu.layout_cast(jnp.zeros((bn, wn), jnp.float32), plgpu.Layout.WGMMA)
-            acc, _ = pipeline(step, (zeros, first), w_tile, a_tile)
-            return acc
-
-        if not row_max:  # the global scale loaded before the steps (read after them)
-            outer = global_ref[e, lax.div(n0, global_rows)] * 2.0**_PLACEMENT
-
-        def nv_step(idx, w_smem, a_smem, carry):
-            acc_ref, queue = carry
-            _, queue = step_mma(acc_ref, idx[0], w_smem, a_smem, queue)
             return acc_ref, queue
 
+        if fmt == "nvfp4":  # the global scale loaded before the steps (read after them)
+            outer = global_ref[e, lax.div(n0, global_rows)] * 2.0**_PLACEMENT
+
         def run(acc_ref):
-            pipeline(nv_step, (acc_ref, first), w_tile, a_tile)
+            pipeline(step, (acc_ref, first), w_tile, a_tile)
             return acc_ref[...]
 
         acc = pl.run_scoped(run, plgpu.ACC((bn, wn), jnp.float32))
-        if row_max:  # the rows' 2^(top - 127 + PLACEMENT)
+        if fmt == "mxfp4":  # the rows' 2^(top - 127 + PLACEMENT)
             factor = (_mx_row_factor_jnp if stage_w else _mx_row_factor_inline)(top)
             outer = lax.broadcast_in_dim(factor, (bn, wn), [0])
         return acc * outer  # the operands held e2m1 * s * 2^-PLACEMENT
@@ -740,11 +703,9 @@ def _matmul_program(
 # Every 32-bit word of a thread lies in one scale group, so a thread multiplies each register
 # by one of at most two per-row factors: NVFP4 the e4m3 scale ``s`` (the product, ``e2m1 * s *
 # 2^-PLACEMENT``, is exact in f16: a multiple of 2^-16 with at most 6 significant bits), MXFP4
-# ``2^(s - s_max)`` against the largest scale of the row's K step (``e8m0_step_to_f16``; exact
-# for ``s - s_max >= PLACEMENT - 23``, where the product's lowest bit stays >= 2^-24; the
-# step's partial is multiplied by ``2^(s_max - 127 + PLACEMENT)``), or with ``MX_ROW_MAX``
-# against the largest of the row's scales over the program's K steps (the same bound, one
-# accumulator, ``2^(s_max - 127 + PLACEMENT)`` once at the end).
+# ``2^(s - s_max)`` against the largest of the row's scales over the program's K steps
+# (``e8m0_step_to_f16``; exact for ``s - s_max >= PLACEMENT - 23``, where the product's lowest
+# bit stays >= 2^-24; one accumulator, ``2^(s_max - 127 + PLACEMENT)`` once at the end).
 
 def _code_transforms(block_k: int):
     """Code tiles ``[bn, bk / 2]`` u8 in SMEM: one swizzled tile a row (64 or 32 bytes), so a
@@ -801,21 +762,16 @@ def _fp4_scale_bits_jnp(scale_ref, e, n0, kb, *, fmt: str, tile: SlotTile):
 
 def _fp4_factors_jnp(s, *, fmt: str, top=None):
     """Interpret mode's ``_fp4_factors_inline``: the scale bytes ``s [bn, groups]`` -> the
-    factors as a ``[bn, bk]`` f16 array in operand order (and MXFP4's ``[bn]`` f32 partial
-    scale; none with the rows' ``top`` bytes, ``_mx_row_top_jnp``)."""
+    factors as a ``[bn, bk]`` f16 array in operand order (MXFP4: against the rows' ``top``
+    bytes, ``_mx_row_top_jnp``)."""
     size = _group_size(fmt)
 
     def per_column(f):  # [bn, groups] -> [bn, bk] in operand order
         return _to_operand_order(jnp.repeat(f, size, axis=1))
 
     if fmt == "nvfp4":
-        return (per_column(s.astype(jnp.float16)),)
-    s = s.astype(jnp.int32)
-    partial = top is None  # against the step's own largest scale
-    if partial:
-        top = jnp.max(s, axis=1)
-    factors = (per_column(e8m0_step_to_f16(s - top[:, None])),)
-    return factors + ((_mx_row_factor_jnp(top),) if partial else ())
+        return per_column(s.astype(jnp.float16))
+    return per_column(e8m0_step_to_f16(s.astype(jnp.int32) - top[:, None]))
 
 
 def _e2m1_as_e4m3(codes):
@@ -911,7 +867,7 @@ def _row_bias_inline(bias_ref, first):
 
 
 def _own_mx_groups(bk: int) -> int:
-    """E8M0 bytes of its own a thread reads a row a K step (``MX_ROW_MAX``): the most groups
+    """E8M0 bytes of its own a thread reads a row a K step (MXFP4): the most groups
     of 32 the ``bk / 4`` columns from ``c bk / 4`` of a quad's thread ``c`` meet (1 at 64 and
     128, 2 at 192 and 256, 3 at 320)."""
     q = bk // 4
@@ -922,20 +878,19 @@ def _fp4_scale_bits_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
     """Step ``kb``'s scale bytes of a thread's two rows, as loaded (a tuple of ``[bn]`` f32
     carriers holding i32 bits, one a 32-bit word; ``_fp4_factors_inline`` makes the factors):
     NVFP4 the e4m3 bytes of the thread's own groups (1, 2, 3, 4 or 5 at ``bk`` = 64, 128,
-    192, 256, 320), MXFP4 those of its own groups (``MX_ROW_MAX``: ``_own_mx_groups``, from
-    the group of its first column) or every E8M0 byte of the step (its max is needed: 2, 4,
-    6, 8 or 10). The loads are as wide as the row stride, the byte count and the offsets allow
+    192, 256, 320), MXFP4 those of its own groups (``_own_mx_groups``, from the group of its
+    first column). The loads are as wide as the row stride, the byte count and the offsets allow
     (up to 8 bytes; gpt-oss's 90-byte MXFP4 rows: 2). ``scale_ref [E, N, K / 16 | K / 32]``,
     ``row0 = e * N + n0``."""
     bn, bk = BLOCK_N, tile.block_k
     groups = bk // _group_size(fmt)  # a row's bytes a step
-    own = fmt == "mxfp4" and MX_ROW_MAX
-    nbytes = _own_mx_groups(bk) if own else groups if fmt == "mxfp4" else groups // 4
+    mx = fmt == "mxfp4"
+    nbytes = _own_mx_groups(bk) if mx else groups // 4
     words = -(-nbytes // 4)
     stride = scale_ref.shape[-1]
     unit = 8  # bytes a load: a power of two dividing the row stride and nbytes (and so the
     #   step's and, NVFP4, the thread's offset; MXFP4's own bytes start at 2c only at 256)
-    while stride % unit or nbytes % unit or (own and bk != 256 and unit > 1):
+    while stride % unit or nbytes % unit or (mx and bk != 256 and unit > 1):
         unit //= 2
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT,
@@ -953,7 +908,7 @@ def _fp4_scale_bits_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
             at = arith.addi(arith.muli(r, _i32(stride)), first_col.registers.item())
             if fmt == "nvfp4":  # the thread's first group: quad * (bk / 4) / 16
                 at = arith.addi(at, arith.muli(quad, _i32(bk // 64)))
-            elif own:  # the group of its first column: quad * (bk / 4) / 32
+            else:  # the group of its first column: quad * (bk / 4) / 32
                 at = arith.addi(at, arith.divui(arith.muli(quad, _i32(bk // 4)), _i32(32)))
             half = [None] * words
             for j in range(nbytes // unit):
@@ -987,17 +942,16 @@ def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile, top=None):
     """A step's factors from its scale bytes (``_fp4_scale_bits_inline``), per thread: a
     ``[bn, 8 * slots]`` f16 WGMMA-layout array used as a carrier (register ``[.., s, .., i,
     ..]`` = the factor of the thread's row half ``i`` and words ``2s, 2s + 1`` of its codes;
-    not a logical array) and, for MXFP4, the rows' ``[bn]`` f32 partial scale, unless ``top``
-    (``_mx_row_top_inline``'s carrier) gives each row's largest byte of the program."""
+    not a logical array); MXFP4's against ``top`` (``_mx_row_top_inline``'s
+    carrier: each row's largest byte of the program)."""
     bn, bk = BLOCK_N, tile.block_k
     size = _group_size(fmt)
     slots = _factor_slots(bk)
     used = bk // 64  # slots holding words (bk = 64: 2 words, slot 0)
     mx = fmt == "mxfp4"
-    partial = mx and top is None
-    ret = (plgpu.ShapeDtypeStruct((bn, 8 * slots), jnp.float16, layout=plgpu.Layout.WGMMA),)
-    if partial:
-        ret += (plgpu.ShapeDtypeStruct((bn,), jnp.float32, layout=_ROW_CARRIER),)
+    if mx == (top is None):
+        raise ValueError("_fp4_factors_inline: MXFP4 takes the rows' top bytes, NVFP4 none")
+    ret = plgpu.ShapeDtypeStruct((bn, 8 * slots), jnp.float16, layout=plgpu.Layout.WGMMA)
     tops = () if top is None else (top,)
 
     @plgpu.inline_mgpu(arg_types=(_ROW_CARRIER,) * (len(bits) + len(tops)), return_type=ret)
@@ -1006,7 +960,6 @@ def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile, top=None):
         _, _, _, quad = _thread_rows()
         first = arith.muli(quad, _i32(bk // 4))  # the thread's first column of the step
         factors = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((bn, 8 * slots)), object)
-        row_scales = []
         for i in range(2):  # row half
             words = [_row_bits(c, i) for c in carriers[:len(bits)]]
             if not mx:  # e4m3 bytes of the thread's groups, in order: two a cvt
@@ -1019,13 +972,8 @@ def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile, top=None):
                                               arith.trunci(i16, pair), result_types=i32)
                     per_slot += [_splat_f16x2(f, 0), _splat_f16x2(f, 1)]
                 per_slot = per_slot[:used]
-            else:  # the step's (or the row's) max E8M0 byte, then each slot's own group's
-                if partial:
-                    top_ = _i32(0)
-                    for word in words:
-                        top_ = _bytes_max(top_, word)
-                else:
-                    top_ = _row_bits(carriers[-1], i)
+            else:  # each slot's own group's E8M0 byte against the row's largest
+                top_ = _row_bits(carriers[-1], i)
                 per_slot, made = [], {}
                 for slot in range(used):
                     # where the thread's columns start a group (bk = 128, 256), slots 2g and
@@ -1033,8 +981,8 @@ def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile, top=None):
                     key = (16 * slot) // size if (bk // 4) % size == 0 else slot
                     if key not in made:  # the group of the slot's first column
                         idx = arith.divui(arith.addi(first, _i32(16 * slot)), _i32(size))
-                        if not partial:  # the thread's own bytes, from its first column's
-                            idx = arith.subi(idx, arith.divui(first, _i32(size)))
+                        # the thread's own bytes, from its first column's
+                        idx = arith.subi(idx, arith.divui(first, _i32(size)))
                         word = words[0]
                         for w in range(1, len(words)):  # byte idx of the words
                             word = arith.select(
@@ -1052,14 +1000,11 @@ def _fp4_factors_inline(bits, *, fmt: str, tile: SlotTile, top=None):
                         f16 = arith.truncf(ir.F16Type.get(), f32)
                         made[key] = _splat_f16x2(arith.extui(i32, arith.bitcast(i16, f16)))
                     per_slot.append(made[key])
-                if partial:  # 2^(s_max - 127 + P)
-                    row_scales.append(_row_factor_bits(top_))
             per_slot += [per_slot[0]] * (slots - len(per_slot))  # unused slots: any value
             for s_, f in enumerate(per_slot):
                 factors[0, s_, 0, 0, i, 0, 0, 0, 0] = f
-        out = (mgpu.FragmentedArray(_registers=factors, _layout=mgpu.WGMMA_LAYOUT,
-                                    _is_signed=None),)
-        return out + ((_row_carrier(row_scales),) if partial else ())
+        return mgpu.FragmentedArray(_registers=factors, _layout=mgpu.WGMMA_LAYOUT,
+                                    _is_signed=None)
 
     return convert(*bits, *tops)
 
@@ -1077,7 +1022,7 @@ def _row_factor_bits(top):
 
 
 def _mx_row_top_inline(scale_ref, row0, first_group, *, groups: int, step_groups: int):
-    """MXFP4 (``MX_ROW_MAX``): the largest E8M0 byte of each of a thread's two rows over the
+    """MXFP4: the largest E8M0 byte of each of a thread's two rows over the
     program's ``groups`` bytes of them from ``first_group`` (a multiple of ``step_groups``, a K
     step's): a ``[bn]`` carrier of i32 bits (``_mx_row_factor_inline`` makes the factor). The
     four threads of a quad (which hold the same rows) take every fourth load (as wide as the
@@ -1142,7 +1087,7 @@ def _mx_row_top_jnp(scale_ref, e, n0, first_group, *, groups: int):
 
 
 def _mx_row_factor_jnp(top):
-    """Interpret mode's ``_mx_row_factor_inline`` (and the per-step partial's factor)."""
+    """Interpret mode's ``_mx_row_factor_inline``."""
     return e8m0_to_f32(jnp.minimum(top + _PLACEMENT, 255))
 
 
@@ -1522,7 +1467,7 @@ H_KEEP_CHUNKS = 16  # chunks a thread keeps in registers between the max and the
 # chunks an iteration (their loads in flight together): registers against L2 round trips.
 # Offline ptxas, the one launch at windows of 8 with H_KEEP_CHUNKS=8 and H_ROLL 1 to 6
 # (gpt-oss's 12 chunks a thread rolled; Qwen3's 3 still kept): gpt-oss FP8 115 -> 69 registers
-# (its matmuls' 66), NVFP4 109 -> 93, MXFP4 109 -> 104 (95 with MX_ROW_MAX); at 12 (one
+# (its matmuls' 66), NVFP4 109 -> 93, MXFP4 95 (109 -> 104 with per-step factors); at 12 (one
 # iteration) 110. H200, H_KEEP_CHUNKS=8 at gpt-oss 8 tokens: FP8 busy 192 -> 199 us, MXFP4 152
 # -> 150 (NOTES, session 33): kept at 16.
 H_ROLL = 6
