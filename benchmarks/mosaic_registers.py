@@ -158,7 +158,8 @@ def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str],
         arrays, k = (gu, h) if i == 0 else (dn, inter)
         a = spec((rows, k), jnp.float16)
         source = None
-        if i == 1 and mosaic.DOWN_MAKES_H:  # the down kernel making its own h from gate_up's
+        if i == 1 and mosaic.DOWN_MAKES_H_TOKENS:  # the down kernel making its own h from
+            #   gate_up's output
             a = spec((rows, 2 * inter), jnp.float32)
             source = mosaic.HSource(1, variant.get("activation", Activation.SILU),
                                     variant.get("layout", GateUpLayout.CONCATENATED),

@@ -255,10 +255,11 @@ def test_window_factors_and_row_bias_inline(emulated):
 @pytest.mark.parametrize("splits", [1, 2])
 def test_h_tile_inline(emulated, inter, layout, activation, limit, block_k, bk, kcols, k0, wn,
                        splits):
-    """``DOWN_MAKES_H``: a down program's h for its K steps, one row of its item at a time by
-    all 128 threads, into the SMEM tile ``[steps, wn, bk]`` in the wgmma B layout (8-row,
-    64-column tiles, 128-byte swizzle) at the row's window slot, scaled against those columns'
-    max, the factor at the slot; the window's other rows untouched. Against ``rows.h_rows``'
+    """The own-h down launch (``DOWN_MAKES_H_TOKENS``): a down program's h for its K steps,
+    one row of its item at a time by all 128 threads, into the SMEM tile ``[steps, wn, bk]``
+    in the wgmma B layout (8-row, 64-column tiles, 128-byte swizzle) at the row's window
+    slot, scaled against those columns' max, the factor at the slot; the window's other rows
+    untouched. Against ``rows.h_rows``'
     math on the columns ``[k0, k0 + kcols)`` (within a bf16 rounding; factors exact)."""
     from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout
     from tests.mgpu_emulator import smem_offsets

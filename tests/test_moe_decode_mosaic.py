@@ -189,9 +189,9 @@ def check_h_source(fmt, k, *, compiled: bool, k_splits: int, gu_splits: int,
     (MXFP4, 576, 3, 1, 16, True), (FP8, 384, 3, 2, 8, False), (FP8, 256, 1, 1, 1, True)],
     ids=str)
 def test_slot_matmul_h_source(monkeypatch, fmt, k, k_splits, gu_splits, item_rows, gpt_oss):
-    """``DOWN_MAKES_H``'s down launch: the programs' own h (per K split, scaled against its
-    columns' max) give the outputs of the h launch's rows, for FP8 and FP4 (operand order),
-    SiLU / gpt-oss, gate_up and down K splits, items of 1, 8 and 16 rows."""
+    """The own-h down launch (``DOWN_MAKES_H_TOKENS``): the programs' own h (per K split,
+    scaled against its columns' max) give the outputs of the h launch's rows, for FP8 and FP4
+    (operand order), SiLU / gpt-oss, gate_up and down K splits, items of 1, 8 and 16 rows."""
     check_h_source(fmt, k, compiled=False, k_splits=k_splits, gu_splits=gu_splits,
                    item_rows=item_rows, gpt_oss=gpt_oss)
 
@@ -202,7 +202,7 @@ def test_slot_matmul_h_source(monkeypatch, fmt, k, k_splits, gu_splits, item_row
     (MXFP4, 2880, 1, 1, 8, True), (FP8, 768, 2, 2, 16, False), (FP8, 384, 1, 1, 1, True)],
     ids=str)
 def test_compiled_slot_matmul_h_source(fmt, k, k_splits, gu_splits, item_rows, gpt_oss):
-    """The compiled ``DOWN_MAKES_H`` down launch: each program's h rows into its SMEM tile
+    """The compiled own-h down launch: each program's h rows into its SMEM tile
     (the wgmma B layout), kept or (gpt-oss, one split: 12 chunks a thread) rolled, the
     pipeline on the weights alone, the factors from SMEM."""
     check_h_source(fmt, k, compiled=True, k_splits=k_splits, gu_splits=gu_splits,
@@ -675,18 +675,18 @@ def test_fused_launch_equals_three(t, k, fmt, arrays_kw, variant, pattern):
     (3, 3, NVFP4, dict(), dict(activation="gelu_tanh", k_splits=(3, 1),
                                tile=(SlotTile(block_k=64),) * 2), "one_expert")], ids=str)
 def test_down_makes_h(monkeypatch, t, k, fmt, arrays_kw, variant, pattern):
-    """``DOWN_MAKES_H`` (three launches): each down program's own h gives the pairs of the h
-    launch's rows (within f32 rounding: its h scaled against its K split's max) and the
+    """``DOWN_MAKES_H_TOKENS`` (three launches): each down program's own h gives the pairs of
+    the h launch's rows (within f32 rounding: its h scaled against its K split's max) and the
     reference's; a down K that is not a multiple of its step keeps the h launch (bit for
     bit)."""
     kw = arrays(fmt, **arrays_kw)
     x, ids = x_rows(t), routing(pattern, t, k, seed=5)
-    with mosaic_constants(monkeypatch, DOWN_MAKES_H=False):
+    with mosaic_constants(monkeypatch, DOWN_MAKES_H_TOKENS=0):
         three = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=False, **kw, **variant)
     calls = []
     real_h_rows = mosaic.h_rows
     monkeypatch.setattr(mosaic, "h_rows", lambda *a, **k: calls.append(1) or real_h_rows(*a, **k))
-    with mosaic_constants(monkeypatch, DOWN_MAKES_H=True):
+    with mosaic_constants(monkeypatch, DOWN_MAKES_H_TOKENS=64):
         own = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=False, **kw, **variant)
     ragged = arrays_kw.get("inter", 128) % 128 != 0
     assert bool(calls) == ragged, "the h launch runs only where down's K is ragged"
@@ -697,6 +697,24 @@ def test_down_makes_h(monkeypatch, t, k, fmt, arrays_kw, variant, pattern):
     variant.pop("k_splits", None), variant.pop("tile", None)
     ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
     assert_pairs_close(own, ref, ids, kw["gate_up"].shape[0])
+
+
+def test_down_makes_h_up_to_its_tokens(monkeypatch):
+    """By default the down programs make their own h up to ``DOWN_MAKES_H_TOKENS`` (7) tokens
+    and the h launch runs past that (three launches; each down program would remake its
+    item's h from more rows)."""
+    assert mosaic.DOWN_MAKES_H_TOKENS == 7
+    kw = arrays(FP8)
+    calls = []
+    real_h_rows = mosaic.h_rows
+    monkeypatch.setattr(mosaic, "h_rows", lambda *a, **k: calls.append(1) or real_h_rows(*a, **k))
+    for t, h_launch in ((7, False), (8, True)):
+        calls.clear()
+        x, ids = x_rows(t), routing("random", t, 2, seed=t)
+        out = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=False, **kw)
+        assert bool(calls) == h_launch, t
+        ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw)
+        assert_pairs_close(out, ref, ids, E)
 
 
 BLOCKED_CASES = [  # (T, k, format, routing patterns, fused)
@@ -1080,7 +1098,7 @@ class TestLowersForHopper:
         (MXFP4, 2048, 768, 1, 1, 1, False), (MXFP4, 2880, 2880, 3, 3, 8, True),
         (NVFP4, 2880, 2880, 5, 1, 16, True)], ids=str)
     def test_h_source_lowers(self, fmt, n, k, k_splits, gu_splits, rows, gpt_oss):
-        """``DOWN_MAKES_H``'s down launch (the programs' h tile in SMEM, the pipeline on the
+        """The own-h down launch (the programs' h tile in SMEM, the pipeline on the
         weights alone) for Qwen3's and gpt-oss's down shapes, with the extra stack."""
         p, e = 64, 8
         name = format_name(fmt, None)

@@ -69,9 +69,9 @@ pairs, a radix sort up to 1024; past that XLA's plan and its item cut, ``work_it
 f16 rows in sorted order (``rows.x_rows``) -> gate_up (x's factors and the gate_up bias in
 its epilogue) -> the activation and h's f16 rows (``rows.h_rows``) -> down (h's factors and the
 down bias likewise); each pair's row is picked by the caller's combine (``kernel.pairs_of``,
-fused by XLA). With ``DOWN_MAKES_H`` (the default) the down programs make their own h from the
-gate_up output (``slot_matmul(h_source=)``) and the h launch goes. Up to 64 pairs the plan
-and x's rows are one launch (``rows.plan_x_rows``): four (three with ``DOWN_MAKES_H``).
+fused by XLA). Up to ``DOWN_MAKES_H_TOKENS`` tokens the down programs make their own h from
+the gate_up output (``slot_matmul(h_source=)``) and the h launch goes. Up to 64 pairs the plan
+and x's rows are one launch (``rows.plan_x_rows``): four (three with the down programs' own h).
 BF16 weights take bf16 rows gathered by XLA. With f16
 activations at ``FUSE_MLP_TOKENS`` tokens (``fused``) gate_up, h and down are one launch
 (``slot_mlp``) whose programs wait on GMEM semaphores (the comment above ``slot_mlp``).
@@ -336,12 +336,15 @@ def _kernel(
 # and the h launch (``rows.h_rows``) goes: one launch and its gap fewer a step at 1-7 tokens,
 # for ~100 L2 gathers a thread before each down program's first wgmma. H200 busy us, h launch
 # -> own h (session 33): Qwen3 NVFP4 1 / 3 tokens 20.8 -> 19.6 / 35.1 -> 34.5, FP8 1 token 23.0
-# -> 22.2; gpt-oss MXFP4 1 token 39.3 -> 37.5.
-DOWN_MAKES_H = True
+# -> 22.2; gpt-oss MXFP4 1 token 39.3 -> 37.5. Each of an item's N / 64 down programs remakes
+# the item's h, so the L2 reads grow with its rows (Qwen3 at 64 tokens: ~4 rows, ~100 MB a
+# step against the h launch's ~3 MB); up to this many tokens (the range below the one launch,
+# where it was timed; 0: never).
+DOWN_MAKES_H_TOKENS = 7
 # ... its h chunks kept in registers up to this many a thread (else recomputed, rolled): the
 # down kernel's registers are the largest of its h part's and its K loop's. Offline ptxas,
 # gpt-oss MXFP4 down at windows of 8, one K split (12 chunks a thread): kept 176 registers,
-# rolled 103 (as without DOWN_MAKES_H); Qwen3's 3 chunks kept: 71-79, as without.
+# rolled 103 (as with the h launch); Qwen3's 3 chunks kept: 71-79, as without.
 H_TILE_KEEP_CHUNKS = 4
 
 # The Mosaic launches' first act: griddepcontrol.wait (programmatic dependent launch: a kernel
@@ -384,9 +387,10 @@ def _matmul_program(
     global_rows: int,  # NVFP4: rows sharing one global scale
     k: int,  # the contraction length (unpacked)
     k_splits: int,  # programs along K: split s dots steps [s * num_steps, (s + 1) * num_steps)
-    h_from: dict | None = None,  # DOWN_MAKES_H: a_gmem is the gate_up output [S * R, 2I] f32
-    #   and the program makes its window's h for its K steps (``_h_program_inline``'s
-    #   keywords: splits, rows, layout, activation, limit, alpha, block_k)
+    h_from: dict | None = None,  # the down programs' own h: a_gmem is the gate_up output
+    #   [S * R, 2I] f32 and the program makes its window's h for its K steps
+    #   (``_h_program_inline``'s keywords: splits, rows, layout, activation, limit, alpha,
+    #   block_k)
 ):
     """One program of ``slot_matmul``: item ``u``'s rows through its expert's weight rows
     ``[nt * BLOCK_N, (nt + 1) * BLOCK_N)``, K split ``split``, stored to ``o_gmem``."""
@@ -592,8 +596,9 @@ def _matmul_program(
             size //= 2
 
     def make_h(h_tile, h_factor, red):
-        """DOWN_MAKES_H: the window's h for this program's K steps into ``h_tile`` (the item's
-        rows; interpret mode every window row) and their factors into ``h_factor``."""
+        """The down programs' own h: the window's h for this program's K steps into
+        ``h_tile`` (the item's rows; interpret mode every window row) and their factors into
+        ``h_factor``."""
         k0, kcols = at(0) * bk, num_steps * bk
         if stage_w:
             values, factors = _h_tile_jnp(a_gmem, row0, k0, wn=wn, kcols=kcols, bk=bk,
@@ -1306,7 +1311,7 @@ def _checked_bias(bias, e: int, n: int):
 
 class HSource(NamedTuple):
     """``slot_matmul``'s ``h_source``: its ``a`` is the gate_up launch's stacked output ``[splits
-    * R, 2I]`` f32 and each program makes its own h from it (``DOWN_MAKES_H``)."""
+    * R, 2I]`` f32 and each program makes its own h from it (``DOWN_MAKES_H_TOKENS``)."""
 
     splits: int
     activation: Activation
@@ -1349,9 +1354,9 @@ def slot_matmul(
     ``k_splits`` > 1 splits K over that many programs per (item, 64 weight rows), each with its own
     output rows, summed here (more programs for few tokens; ``sum_splits=False``: returned
     stacked, ``[k_splits * R, N]``, the bias in split 0's); it must divide ``K / block_k``.
-    ``h_source`` (``DOWN_MAKES_H``, f16 activations, K a multiple of ``block_k``): ``a`` is the
-    gate_up launch's stacked output ``[h_source.splits * R, 2K]`` f32, and each program makes
-    its window's h for its own K steps (``rows.h_rows``' math, scaled against those columns'
+    ``h_source`` (``DOWN_MAKES_H_TOKENS``; f16 activations, K a multiple of ``block_k``): ``a``
+    is the gate_up launch's stacked output ``[h_source.splits * R, 2K]`` f32, and each program
+    makes its window's h for its own K steps (``rows.h_rows``' math, scaled against those columns'
     max) in SMEM, the row factors with it; ``row_factor`` must be None.
     ``interpret=True`` runs the Mosaic GPU interpreter (CPU tests)."""
     if a.ndim != 2:
@@ -1504,7 +1509,7 @@ def _h_jnp(gu_ref, at, n: int, *, splits: int, rows: int, layout: GateUpLayout,
 def _h_tile_jnp(gu_ref, row0, k0, *, wn: int, kcols: int, bk: int, splits: int, rows: int,
                 layout: GateUpLayout, activation: Activation, limit, alpha: float,
                 block_k: int | None):
-    """Interpret mode's DOWN_MAKES_H tile (``_h_program_inline`` with ``tile``) for every
+    """Interpret mode's own-h tile (``_h_program_inline`` with ``tile``) for every
     window row ``row0 .. row0 + wn - 1``: h's columns ``[k0, k0 + kcols)`` (``rows.h_rows``'
     math), scaled against their own max -> (``[kcols / bk, wn, bk]`` f16 in the operand order,
     ``[wn]`` f32 factors)."""
@@ -1579,7 +1584,7 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, spli
     (``block_k``): the columns in the operand order, each h column's gate and up by scalar
     loads.
 
-    ``tile = (slot, k0, kcols, wn, bk)`` (``DOWN_MAKES_H``: a down program's own activations):
+    ``tile = (slot, k0, kcols, wn, bk)`` (a down program's own activations):
     one row (``count`` 1) by all 128 threads, its columns ``[k0, k0 + kcols)`` only, scaled
     against their own max, into window row ``slot`` of ``h_ref``, an SMEM tile ``[kcols / bk,
     wn, bk]`` f16 in the wgmma B operand's layout (8-row, 64-column tiles, 128-byte swizzle),
@@ -2196,7 +2201,8 @@ def moe_decode_mosaic_pairs(
             return (pairs, stamps) if timeline else pairs
         gu = launch(a, factor, gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, xs,
                     tile[0], k_splits[0])  # [S * R, 2I]
-        if DOWN_MAKES_H and inter % tile[1].block_k == 0:  # each down program its own h
+        own_h = x.shape[0] <= DOWN_MAKES_H_TOKENS and inter % tile[1].block_k == 0
+        if own_h:  # each down program its own h
             y = slot_matmul(work, gu, down, down_scale, xd, down_global_scale, bias=down_bias,
                             fmt=fmt, fp8_block=fp8_block, tile=tile[1], k_splits=k_splits[1],
                             sum_splits=False, interpret=interpret, h_source=HSource(
