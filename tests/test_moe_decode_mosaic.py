@@ -1051,19 +1051,6 @@ class TestLowersForHopper:
         assert "mosaic_gpu" in text
         return text
 
-    def test_pdl_wait_lowers(self, monkeypatch):
-        """``PDL_WAIT``: the three launches' kernel and the one launch begin with
-        griddepcontrol.wait and are marked as PDL kernels (``mosaic_gpu.uses_pdl``); off, not."""
-        def lowered():
-            return (self.lower_slot_matmul(MXFP4, 1536, 2048, 1),
-                    self.lower_one_launch(FP8, 2048, 768, (1, 1), {}))
-
-        for on in (True, False):
-            with mosaic_constants(monkeypatch, PDL_WAIT=on):
-                for text in lowered():
-                    assert ("mosaic_gpu.uses_pdl" in text) == on
-                    assert ("griddepcontrol.wait" in text) == on
-
     @pytest.mark.parametrize("fmt", [FP8, MXFP4], ids=lambda v: v.value)
     def test_epilogue_loads_after_steps_lower(self, monkeypatch, fmt):
         """The one launch with the epilogue's loads after the K steps."""
@@ -1224,16 +1211,6 @@ def test_compiled_on_gpu_against_reference(fmt, k_splits, t, fused):
     if fused and fmt is BF16:
         pytest.skip("one launch: f16 activations only")
     check_compiled(fmt, k_splits, t, fused, inter=512)
-
-
-@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
-@pytest.mark.parametrize("fmt", [FP8, NVFP4, MXFP4], ids=lambda f: f.value)
-@pytest.mark.parametrize("fused", [False, True], ids=["three_launches", "one_launch"])
-def test_compiled_pdl_wait_on_gpu(monkeypatch, fmt, fused):
-    """``PDL_WAIT``: the launches started early by XLA still read their inputs only once the
-    launch before them has written them."""
-    with mosaic_constants(monkeypatch, PDL_WAIT=True):
-        check_compiled(fmt, (1, 1), 9, fused, inter=512)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")

@@ -323,7 +323,6 @@ def _kernel(
     factor_ref = rest.pop(0) if row_factor else None
     bias_ref = rest.pop(0) if bias else None
     o_gmem, *w_stage = rest
-    _pdl_wait(interpret=bool(w_stage))
     split = lax.axis_index("s") if static["k_splits"] > 1 else None
     _matmul_program(work_gmem, a_gmem, stacks, factor_ref, bias_ref, o_gmem,
                     w_stage[0] if w_stage else None, u=lax.axis_index("w"),
@@ -346,19 +345,6 @@ DOWN_MAKES_H_TOKENS = 7
 # gpt-oss MXFP4 down at windows of 8, one K split (12 chunks a thread): kept 176 registers,
 # rolled 103 (as with the h launch); Qwen3's 3 chunks kept: 71-79, as without.
 H_TILE_KEEP_CHUNKS = 4
-
-# The Mosaic launches' first act: griddepcontrol.wait (programmatic dependent launch: a kernel
-# that waits so is marked, and XLA may start its CTAs before the launch ahead of it has
-# finished; the wait holds them until that launch's writes are visible). Nothing the programs
-# read before it comes from an earlier launch. H200, Qwen3 NVFP4 8 tokens: busy 55.8 / 56.0 ->
-# 55.9 / 56.1 us, even (NOTES, session 33): off.
-PDL_WAIT = False
-
-
-def _pdl_wait(interpret: bool) -> None:
-    if PDL_WAIT and not interpret:
-        plgpu.griddepcontrol_wait()
-
 
 def _split_stacks(refs, fmt: str, num_stacks: int):
     """``refs``' first ``num_stacks`` weight stacks, each ``_stack_size(fmt)`` refs (w,
@@ -1816,7 +1802,6 @@ def _fused_kernel(work_gmem, a_gmem, a_factor, *rest, num_stacks: int, fmt: str,
     dn_bias = rest.pop(0) if down_bias else None
     gu_o, h_o, hf_o, y_o, *rest = rest
     tl_o = rest.pop(0) if timeline else None
-    _pdl_wait(interpret=bool(rest))
     stages = rest or (None, None)
     w = work_gmem.shape[1]
     nt_gu, nt_down = gu_o.shape[1] // BLOCK_N, y_o.shape[1] // BLOCK_N
