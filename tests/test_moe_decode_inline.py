@@ -22,9 +22,10 @@ from pallas_kernels.moe_decode.mosaic import BLOCK_N, SlotTile
 from tests.mgpu_emulator import Memory, emulate, row_values, smem_image, wgmma_matrix
 
 # (K, step): Qwen3's gate_up (2048) and down (768) in steps of 256, gpt-oss's 2880 in 192 and
-# 320, DeepSeek-V3's 7168 in 256, and short K in steps of 64 / 128 / 320
+# 320, DeepSeek-V3's 7168 in 256, and short K in steps of 64 / 128 / 320; ragged K in steps of
+# 256 (FP4_RAGGED_STEP: gpt-oss's 2880, 320 and 704, the last step 64 or 192 wide)
 CASES = [(2048, 256), (768, 256), (2880, 192), (2880, 320), (7168, 256), (512, 128),
-         (512, 64), (960, 320)]
+         (512, 64), (960, 320), (2880, 256), (320, 256), (704, 256)]
 EXPERTS, N = 3, 3 * BLOCK_N
 
 
@@ -59,18 +60,23 @@ def _operand_case(fmt, k, bk, parts, split):
     largest scale over the split's steps) and code conversion (in ``parts``) against the jnp
     twins, column tile 2, for expert 1 and the middle step of the first K split (``split``
     0), or the last expert and the last step of the last split (1: the loads nearest the end
-    of the scales)."""
+    of the scales). A ragged K's last step: its codes past K zero (the TMA's fill), its
+    scales past K zero in the jnp twin's (the interpreter's padding), the emulated loads kept
+    on the row's bytes (any finite factor meets zero codes)."""
     rng = np.random.default_rng(bk * 7 + parts + k)
     tile = SlotTile(block_k=bk)
     scale = _scales(rng, fmt, k)
     e, n0 = (1, 2 * BLOCK_N) if split == 0 else (EXPERTS - 1, 2 * BLOCK_N)
-    steps = k // bk
+    steps = -(-k // bk)
+    ragged = k % bk != 0
     splits = 2 if steps >= 4 and steps % 2 == 0 else 1
     per_split = steps // splits
     kb = per_split // 2 if split == 0 else steps - 1
     codes = rng.integers(0, 256, (BLOCK_N, bk // 2), dtype=np.uint8)
+    codes[:, max(k - kb * bk, 0) // 2:] = 0  # past K (a ragged last step)
     g = bk // _groups(fmt)
-    s = jnp.asarray(scale[e, n0:n0 + BLOCK_N, kb * g:(kb + 1) * g])
+    s = scale[e, n0:n0 + BLOCK_N, kb * g:(kb + 1) * g]
+    s = jnp.asarray(np.pad(s, ((0, 0), (0, g - s.shape[1]))))
     top_ref = top = None
     if fmt == "mxfp4":
         first = min(split, splits - 1) * per_split * (bk // 32)
@@ -78,16 +84,17 @@ def _operand_case(fmt, k, bk, parts, split):
         top_ref = jnp.asarray(scale[e, n0:n0 + BLOCK_N, first:first + span].astype(np.int32)
                               .max(axis=1))
         top = mosaic._mx_row_top_inline(scale, e * N + n0, first, groups=span,
-                                        step_groups=bk // 32)
+                                        step_groups=bk // 32, ragged=ragged)
         np.testing.assert_array_equal(row_values(top).view(np.uint32), top_ref)
     want = mosaic._fp4_factors_jnp(s, fmt=fmt, top=top_ref)
-    bits = mosaic._fp4_scale_bits_inline(scale, e * N + n0, kb, fmt=fmt, tile=tile)
+    bits = mosaic._fp4_scale_bits_inline(scale, e * N + n0, kb, fmt=fmt, tile=tile,
+                                         ragged=ragged)
     got = mosaic._fp4_factors_inline(bits, fmt=fmt, tile=tile, top=top)
     operand = np.asarray(mosaic._fp4_operands_jnp(jnp.asarray(codes), want))  # [bn, bk]
-    smem = smem_image(codes, mosaic._code_transforms(bk)[1].swizzle)
+    smem = smem_image(codes, mosaic._code_transforms(bk, k)[1].swizzle)
     cols = bk // parts
     for h in range(parts):
-        part = mosaic._fp4_operands_inline(smem, got, tile=tile, part=h, parts=parts)
+        part = mosaic._fp4_operands_inline(smem, got, tile=tile, k=k, part=h, parts=parts)
         np.testing.assert_array_equal(
             wgmma_matrix(part, cols).view(np.uint16),
             operand[:, h * cols:(h + 1) * cols].view(np.uint16), err_msg=f"part {h}")
@@ -109,7 +116,8 @@ def test_fp4_operands_inline(emulated, fmt, k, bk):
     (2048, 256, 0, 8), (2048, 256, 4, 4), (768, 256, 0, 3), (2880, 192, 0, 15),
     (2880, 192, 5, 5), (2880, 192, 10, 5), (2880, 320, 0, 9), (2880, 320, 3, 3),
     (7168, 256, 0, 28), (7168, 256, 14, 14),
-    (512, 128, 0, 4), (512, 64, 2, 6)])
+    (512, 128, 0, 4), (512, 64, 2, 6), (2880, 256, 6, 6), (2880, 256, 0, 12),
+    (704, 256, 1, 2)])  # ragged: groups past the row's (read as its last load again)
 def test_mx_row_top_inline(emulated, k, bk, first_step, steps):
     """The row-max pre-pass (each thread every fourth load of its quad's rows, two butterfly
     shuffles) gives every thread of a quad its two rows' largest E8M0 byte over the program's
@@ -118,12 +126,13 @@ def test_mx_row_top_inline(emulated, k, bk, first_step, steps):
     rng = np.random.default_rng(k + first_step)
     scale = _scales(rng, "mxfp4", k)
     scale[0, 5, first_step * bk // 32] = 255  # a row whose largest byte is its first
-    scale[0, 70, (first_step + steps) * bk // 32 - 1] = 254  # and its last (another tile)
+    last = min((first_step + steps) * bk, k) // 32 - 1
+    scale[0, 70, last] = 254  # and its last (another tile)
     for e, n0 in [(0, 0), (0, BLOCK_N), (2, 2 * BLOCK_N)]:
         first, span = first_step * bk // 32, steps * bk // 32
         want = scale[e, n0:n0 + BLOCK_N, first:first + span].astype(np.uint32).max(axis=1)
         top = mosaic._mx_row_top_inline(scale, e * N + n0, first, groups=span,
-                                        step_groups=bk // 32)
+                                        step_groups=bk // 32, ragged=k % bk != 0)
         np.testing.assert_array_equal(row_values(top).view(np.uint32), want)
         factor = row_values(mosaic._mx_row_factor_inline(top))
         np.testing.assert_array_equal(

@@ -39,6 +39,7 @@ from pallas_kernels.moe_decode.mosaic import (
     format_name,
     fp4_operand_order,
     moe_decode_mosaic_pairs,
+    num_k_steps,
     permute_fp4_activations,
     slot_matmul,
     slot_matmul_reference,
@@ -435,6 +436,34 @@ def check_slot_matmul(fmt, k, *, compiled: bool, k_splits: int = 1, block_k: int
         assert np.isnan(out[~owned]).all(), "a row no item owns was written"
     np.testing.assert_allclose(out[owned], ref[owned], rtol=1e-5,
                                atol=1e-5 * np.abs(ref).max())
+
+
+# FP4 over a ragged K in steps of 256 (FP4_RAGGED_STEP): K of 320 (256 + 64), 576 (2 x 256 +
+# 64) and 704 (2 x 256 + 192), alone or with K split (the last split's steps ragged)
+RAGGED_FP4_CASES = [(320, 1), (576, 1), (576, 3), (704, 3)]
+
+
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
+@pytest.mark.parametrize("k,k_splits", RAGGED_FP4_CASES)
+def test_slot_matmul_fp4_ragged_k(fmt, k, k_splits):
+    """FP4 in K steps of 256 over a K that 256 does not divide: the last step's codes,
+    scales (interpreter: zero-padded, as the TMA fills the codes and the compiled loads stay
+    on the row's bytes) and activations (``permute_fp4_activations`` pads them) past K;
+    against the reference, with the epilogue."""
+    check_slot_matmul(fmt, k, compiled=False, k_splits=k_splits, block_k=256,
+                      bias_dtype=jnp.float32)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
+@pytest.mark.parametrize("k,k_splits", RAGGED_FP4_CASES + [(2880, 1), (2880, 3)])
+@pytest.mark.parametrize("item_rows", [1, 8, 16])
+def test_compiled_slot_matmul_fp4_ragged_k(fmt, k, k_splits, item_rows):
+    """The compiled ragged FP4 step: code tiles in the 32-byte swizzle, the last step's TMA
+    zero fill past K, its scale loads clamped to the row's bytes (the last expert's last row
+    too), the MXFP4 pre-pass's likewise; gpt-oss's K of 2880 in 12 steps."""
+    check_slot_matmul(fmt, k, compiled=True, k_splits=k_splits, block_k=256,
+                      item_rows=item_rows, bias_dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
@@ -1032,8 +1061,10 @@ class TestLowersForHopper:
                 jax.ShapeDtypeStruct(*v) for v in (scale, glob) if v is not None]
 
         main, extra = stack(e), stack(1)
+        tile = choose_slot_tile(k, fmt=name)
+        width = num_k_steps(k, tile) * tile.block_k if fmt in FP4 else k  # a ragged K padded
         args = [jax.ShapeDtypeStruct((3, e + p // ROWS), jnp.int32),
-                jax.ShapeDtypeStruct((window_rows(p), k),
+                jax.ShapeDtypeStruct((window_rows(p), width),
                                      jnp.bfloat16 if fmt is BF16 else jnp.float16),
                 jax.ShapeDtypeStruct((window_rows(p),), jnp.float32),
                 jax.ShapeDtypeStruct((e, n), jnp.bfloat16), *main, *extra]
@@ -1122,6 +1153,15 @@ class TestLowersForHopper:
             self.lower_slot_matmul(fmt, 5760, 2880, 3)
             self.lower_one_launch(fmt, 2880, 2880, (1, 1), dict(
                 activation="gpt_oss", layout="interleaved", limit=7.0, rows=8))
+
+    @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda v: v.value)
+    def test_fp4_ragged_step_lowers(self, monkeypatch, fmt):
+        """``FP4_RAGGED_STEP``: gpt-oss's gate_up (K of 2880) in 12 steps of 256, the last
+        ragged (32-byte code swizzle, clamped scale loads), alone and K split in three."""
+        with mosaic_constants(monkeypatch, FP4_RAGGED_STEP=256):
+            assert choose_slot_tile(2880, fmt=format_name(fmt, None)).block_k == 256
+            self.lower_slot_matmul(fmt, 5760, 2880, 3)
+            self.lower_slot_matmul(fmt, 5760, 2880, 1)
 
     @pytest.mark.parametrize("n,k,k_splits", [(1536, 2048, 1), (5760, 2880, 1),
                                               (2880, 2880, 3), (2048, 768, 3)])

@@ -137,6 +137,10 @@ FP4_STEPS = (256, 192)  # FP4 K step widths, the first that divides K (else 128 
 #   FP4_PARTS_192=3), the K loop per code word 29.5 -> 27.2 instructions (MXFP4),
 #   28.4 -> 26.6 (NVFP4), for 64 -> 72 registers (8 -> 7 CTAs an SM). H200, gpt-oss MXFP4 busy
 #   us, 192 -> 320: 1 token 37.5 -> 38.3, 8 tokens 152 -> 150 (mixed: NOTES, session 33)
+FP4_RAGGED_STEP: int | None = None  # 256: FP4 K steps of 256 for any K that is a multiple of 64,
+#   the last step ragged (codes and activations zero past K, the scale loads kept on the row's
+#   groups), in place of FP4_STEPS' 192 for gpt-oss's 2880 (12 steps of 16 code words a thread
+#   against 15 of 12); None: FP4_STEPS. Three launches only (the one launch keeps FP4_STEPS).
 FP4_PARTS_192 = 1  # the same for steps of 192 (gpt-oss's K of 2880; 1 or 3). 3 (parts of 64):
 #   offline ptxas at windows of 8 (16), with H_KEEP_CHUNKS=8, gpt-oss MXFP4 gate_up
 #   93 -> 64 registers (100 -> 72), the one launch 95 -> 68 (103 -> 72): 5 -> 7 CTAs an SM, for
@@ -237,14 +241,18 @@ class SlotTile:
 
 
 def choose_slot_tile(k: int, num_stages: int | None = None, fmt: str | None = None,
-                     rows: int = ROWS) -> SlotTile:
+                     rows: int = ROWS, ragged_fp4: bool = True) -> SlotTile:
     """Pure heuristic: K steps of 128 where they divide K, else 64; FP8 and BF16 (``fmt``)
     take steps of 128 for any K that is a multiple of 64 (the last step ragged), NVFP4 and
     MXFP4 the first of ``FP4_STEPS`` that divides K (256, else 192: gpt-oss's 2880 in 15
     steps). Stages: ``NUM_STAGES``, ``NUM_STAGES_LONG`` where K is ``LONG_K_STEPS`` steps or
     more (gpt-oss's 2880: 23 of 128), ``NUM_STAGES_WIDE`` for steps wider than 128, unless
-    given. ``rows``: the items' rows (``choose_item_rows``)."""
+    given. ``rows``: the items' rows (``choose_item_rows``). With ``FP4_RAGGED_STEP`` set (and
+    ``ragged_fp4``) FP4 takes steps of that width wherever K is a multiple of 64 and not of it
+    (the last step ragged)."""
     wide = [w for w in FP4_STEPS if k % w == 0] if fmt in _WIDE_FORMATS else []
+    if _fp4_ragged(fmt, k, FP4_RAGGED_STEP) and ragged_fp4:
+        wide = [FP4_RAGGED_STEP]
     narrow = 128 if k % 128 == 0 or _takes_ragged_k(fmt, k) else 64
     block_k = wide[0] if wide else narrow
     if num_stages is None and block_k > 128:
@@ -422,7 +430,7 @@ def _matmul_program(
     # FP8 K (a multiple of 64) takes the 64-byte swizzle
     w_row_bytes = (64 if k % bk else bk) * w_dtype.itemsize
     w_spec = plgpu.BlockSpec((bn, bk // 2 if fp4 else bk), lambda kb: (0, at(kb)),
-                             transforms=_code_transforms(bk) if fp4 else _transforms(
+                             transforms=_code_transforms(bk, k) if fp4 else _transforms(
                                  w_row_bytes, w_dtype.itemsize))
     # 16-bit weights: the wgmma of step kb still reads its activation tile while step kb + 1
     # runs (delay_release), each step waits only for the one before.
@@ -497,9 +505,10 @@ def _matmul_program(
             operands_of = _fp4_operands_jnp
         else:
             bits_of = functools.partial(_fp4_scale_bits_inline, scale_ref,
-                                        e * scale_ref.shape[1] + n0, fmt=fmt, tile=tile)
+                                        e * scale_ref.shape[1] + n0, fmt=fmt, tile=tile,
+                                        ragged=k % bk != 0)
             factors_of = functools.partial(_fp4_factors_inline, fmt=fmt, tile=tile)
-            operands_of = functools.partial(_fp4_operands_inline, tile=tile)
+            operands_of = functools.partial(_fp4_operands_inline, tile=tile, k=k)
         first, advance = ahead(lambda kb: bits_of(at(kb)))
         if fmt == "mxfp4":  # each row's largest scale over this program's K steps (after the first
             #   steps' scale loads are issued: their latency overlaps the pre-pass's)
@@ -510,7 +519,7 @@ def _matmul_program(
                 top = _mx_row_top_jnp(scale_ref, e, n0, first_group, **span)
             else:
                 top = _mx_row_top_inline(scale_ref, e * scale_ref.shape[1] + n0, first_group,
-                                         step_groups=step_groups, **span)
+                                         step_groups=step_groups, ragged=k % bk != 0, **span)
             factors_of = functools.partial(factors_of, top=top)
 
         # compiled steps of 256 as FP4_PARTS wgmmas in turn (192: FP4_PARTS_192), the operand's
@@ -698,10 +707,12 @@ def _matmul_program(
 # (``e8m0_step_to_f16``; exact for ``s - s_max >= PLACEMENT - 23``, where the product's lowest
 # bit stays >= 2^-24; one accumulator, ``2^(s_max - 127 + PLACEMENT)`` once at the end).
 
-def _code_transforms(block_k: int):
-    """Code tiles ``[bn, bk / 2]`` u8 in SMEM: one swizzled tile a row (64 or 32 bytes), so a
-    quarter warp's 16-byte (8-byte) row loads meet no bank twice."""
-    return _transforms(block_k // 2, 1)
+def _code_transforms(block_k: int, k: int | None = None):
+    """Code tiles ``[bn, bk / 2]`` u8 in SMEM: one swizzled tile a row (128, 64 or 32 bytes),
+    so a quarter warp's 16-byte (8-byte) row loads meet no bank twice; over a ragged K
+    (``_fp4_ragged``) tiles of a swizzle that also divides the K / 2 bytes of a code row (the
+    TMA tiles the GMEM rows by it: 32 for gpt-oss's 1440)."""
+    return _transforms(int(np.gcd(block_k // 2, (k or block_k) // 2)), 1)
 
 
 _PLACEMENT = 6  # the converted codes are e2m1 * 2^-PLACEMENT (e4m3 bytes)
@@ -726,10 +737,13 @@ def fp4_operand_order(block_k: int) -> np.ndarray:
 
 
 def permute_fp4_activations(a: jax.Array, tile: SlotTile) -> jax.Array:
-    """``a [R, K]`` -> the FP4 kernels' column order for ``tile``'s K steps."""
+    """``a [R, K]`` -> the FP4 kernels' column order for ``tile``'s K steps, ``[R, steps *
+    block_k]`` (a ragged K zero-padded to whole steps first)."""
     r, k = a.shape
     bk = tile.block_k
-    return _to_operand_order(a.reshape(r, k // bk, bk)).reshape(r, k)
+    steps = num_k_steps(k, tile)
+    a = jnp.pad(a, ((0, 0), (0, steps * bk - k)))
+    return _to_operand_order(a.reshape(r, steps, bk)).reshape(r, steps * bk)
 
 
 def _natural_order(a: jax.Array, tile: SlotTile) -> jax.Array:
@@ -865,14 +879,16 @@ def _own_mx_groups(bk: int) -> int:
     return max(((c + 1) * q - 1) // 32 - c * q // 32 + 1 for c in range(4))
 
 
-def _fp4_scale_bits_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
+def _fp4_scale_bits_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile,
+                           ragged: bool = False):
     """Step ``kb``'s scale bytes of a thread's two rows, as loaded (a tuple of ``[bn]`` f32
     carriers holding i32 bits, one a 32-bit word; ``_fp4_factors_inline`` makes the factors):
     NVFP4 the e4m3 bytes of the thread's own groups (1, 2, 3, 4 or 5 at ``bk`` = 64, 128,
     192, 256, 320), MXFP4 those of its own groups (``_own_mx_groups``, from the group of its
     first column). The loads are as wide as the row stride, the byte count and the offsets allow
     (up to 8 bytes; gpt-oss's 90-byte MXFP4 rows: 2). ``scale_ref [E, N, K / 16 | K / 32]``,
-    ``row0 = e * N + n0``."""
+    ``row0 = e * N + n0``. ``ragged`` (``_fp4_ragged``): the last step's loads past the row's
+    bytes start at its last ``nbytes`` instead (their codes are zeros: any finite factor)."""
     bn, bk = BLOCK_N, tile.block_k
     groups = bk // _group_size(fmt)  # a row's bytes a step
     mx = fmt == "mxfp4"
@@ -898,9 +914,15 @@ def _fp4_scale_bits_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile):
             r = arith.addi(first_row.registers.item(), arith.addi(row, _i32(8 * i)))
             at = arith.addi(arith.muli(r, _i32(stride)), first_col.registers.item())
             if fmt == "nvfp4":  # the thread's first group: quad * (bk / 4) / 16
-                at = arith.addi(at, arith.muli(quad, _i32(bk // 64)))
+                own = arith.muli(quad, _i32(bk // 64))
             else:  # the group of its first column: quad * (bk / 4) / 32
-                at = arith.addi(at, arith.divui(arith.muli(quad, _i32(bk // 4)), _i32(32)))
+                own = arith.divui(arith.muli(quad, _i32(bk // 4)), _i32(32))
+            if ragged:  # the row's last bytes for a step past them
+                col = arith.minui(arith.addi(first_col.registers.item(), own),
+                                  _i32(stride - nbytes))
+                at = arith.addi(arith.muli(r, _i32(stride)), col)
+            else:
+                at = arith.addi(at, own)
             half = [None] * words
             for j in range(nbytes // unit):
                 here = arith.addi(at, _i32(j * unit)) if j else at
@@ -1012,13 +1034,15 @@ def _row_factor_bits(top):
     return arith.shli(arith.minui(arith.addi(top, _i32(_PLACEMENT)), _i32(255)), _i32(23))
 
 
-def _mx_row_top_inline(scale_ref, row0, first_group, *, groups: int, step_groups: int):
+def _mx_row_top_inline(scale_ref, row0, first_group, *, groups: int, step_groups: int,
+                       ragged: bool = False):
     """MXFP4: the largest E8M0 byte of each of a thread's two rows over the
     program's ``groups`` bytes of them from ``first_group`` (a multiple of ``step_groups``, a K
     step's): a ``[bn]`` carrier of i32 bits (``_mx_row_factor_inline`` makes the factor). The
     four threads of a quad (which hold the same rows) take every fourth load (as wide as the
     row stride and the counts allow, up to 8 bytes; past the last load, the last again) and
-    meet by two butterfly shuffles. ``row0 = e * N + n0``."""
+    meet by two butterfly shuffles. ``row0 = e * N + n0``. ``ragged``: loads past the row's
+    bytes (a ragged last step's) read its last ones again."""
     bn = BLOCK_N
     stride = scale_ref.shape[-1]
     unit = 8
@@ -1041,6 +1065,10 @@ def _mx_row_top_inline(scale_ref, row0, first_group, *, groups: int, step_groups
             for m in range(-(-loads // 4)):
                 j = arith.minui(arith.addi(quad, _i32(4 * m)), _i32(loads - 1))
                 here = arith.addi(at, arith.muli(j, _i32(unit)))
+                if ragged:  # the row's last load for a load past its bytes
+                    col = arith.addi(first_col.registers.item(), arith.muli(j, _i32(unit)))
+                    here = arith.addi(arith.muli(r, _i32(stride)),
+                                      arith.minui(col, _i32(stride - unit)))
                 if unit == 8:
                     vec = _load(ptr, here, ir.VectorType.get((2,), i32))
                     words = [vector.extract(vec, dynamic_position=[],
@@ -1101,8 +1129,9 @@ def _fp4_word_to_f16x2(word):
             yield 2 * hh + j, pair
 
 
-def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile, part: int = 0, parts: int = 1):
-    """The code tile ``w_smem [bn, bk / 2]`` (``_code_transforms``) -> the f16 A operand
+def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile, k: int | None = None,
+                         part: int = 0, parts: int = 1):
+    """The code tile ``w_smem [bn, bk / 2]`` (``_code_transforms(bk, k)``) -> the f16 A operand
     ``[bn, bk]`` (WGMMA layout) with the step's factors (``_fp4_factors_inline``'s carrier)
     multiplied in; its columns hold K columns ``fp4_operand_order``. ``parts`` > 1: only
     operand columns ``[part * bk / parts, (part + 1) * bk / parts)``, ``[bn, bk / parts]`` (a
@@ -1117,9 +1146,10 @@ def _fp4_operands_inline(w_smem, factors, *, tile: SlotTile, part: int = 0, part
     cols = bk // parts
     operand = plgpu.ShapeDtypeStruct((bn, cols), jnp.float16, layout=plgpu.Layout.WGMMA)
     row_bytes = bk // 2
-    swizzle = _code_transforms(bk)[1].swizzle  # 8-row tiles this wide
+    transforms = _code_transforms(bk, k)
+    swizzle = transforms[1].swizzle  # 8-row tiles this wide
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(_code_transforms(bk)), plgpu.Layout.WGMMA),
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms), plgpu.Layout.WGMMA),
                        return_type=operand)
     def convert(_, ref, fac):
         i32 = ir.IntegerType.get_signless(32)
@@ -1177,6 +1207,12 @@ def _takes_ragged_k(fmt: str | None, k: int) -> bool:
     return fmt in _RAGGED_FORMATS and k % 64 == 0
 
 
+def _fp4_ragged(fmt: str | None, k: int, block_k: int | None) -> bool:
+    """Whether FP4 weights of K run in steps of ``block_k`` = 256 with a ragged last step (K
+    a multiple of 64, not of 256)."""
+    return fmt in _WIDE_FORMATS and block_k == 256 and k % 64 == 0 and k % block_k != 0
+
+
 def activation_dtype(fmt: str) -> jnp.dtype:
     """The activations' dtype for weights of ``fmt``: bf16 for BF16 weights, else f16 (rows
     scaled into f16 range by a power of two)."""
@@ -1195,9 +1231,10 @@ def unsupported_reason(fmt: str, w_dtype, n: int, k: int, *,
         return f"w: dtype {w_dtype} is not {fmt} data"
     if tile.block_k > 128 and fmt not in ("nvfp4", "mxfp4"):
         return f"tile: block_k={tile.block_k} takes NVFP4 or MXFP4 weights, not {fmt}"
-    if k % tile.block_k and not _takes_ragged_k(fmt, k):
+    if k % tile.block_k and not (_takes_ragged_k(fmt, k) or _fp4_ragged(fmt, k, tile.block_k)):
         return (f"w: K={k} must be a multiple of block_k={tile.block_k}"
-                + (" (or of 64)" if fmt in _RAGGED_FORMATS else ""))
+                + (" (or of 64)" if fmt in _RAGGED_FORMATS else "")
+                + (" (or of 64 at block_k=256)" if fmt in _WIDE_FORMATS else ""))
     if n % BLOCK_N:
         return f"w: N={n} must be a multiple of {BLOCK_N} (the weight rows a program)"
     if (fp8_block is not None) != (fmt == "fp8"):
@@ -1250,10 +1287,12 @@ def _stack_operands(w, scale, global_scale, extra, *, fmt, fp8_block, tile: Slot
 
     ragged = steps * tile.block_k - k
 
-    def pad_k(v):
+    def pad_k(v, per: int = 1):
         """The interpreter's twin of the TMA's zero fill past K (it would clamp a ragged last
-        step's slice): ``v``'s last axis zero-padded to whole steps; compiled: ``v``."""
-        return jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, ragged)]) if interpret and ragged else v
+        step's slice): ``v``'s last axis (``per`` K columns an element) zero-padded to whole
+        steps; compiled: ``v``. FP4 scales so padded are zero (their codes too)."""
+        pad = ragged // per
+        return jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, pad)]) if interpret and pad else v
 
     stacks = [("", (w, scale, global_scale))]
     if extra is not None:
@@ -1263,7 +1302,7 @@ def _stack_operands(w, scale, global_scale, extra, *, fmt, fp8_block, tile: Slot
         if ws.ndim != 3 or ws.shape[1:] != w.shape[1:] or ws.dtype != w.dtype:
             raise ValueError(f"{prefix}w: expected [E, {n}, {w.shape[2]}] {w.dtype}, got "
                              f"{ws.shape} {ws.dtype}")
-        operands.append(pad_k(ws))
+        operands.append(pad_k(ws, 2 if fp4 else 1))
         want, dtype = scale_shape(ws.shape[0])
         if want is None:
             if ss is not None:
@@ -1272,7 +1311,7 @@ def _stack_operands(w, scale, global_scale, extra, *, fmt, fp8_block, tile: Slot
         if ss is None or ss.shape != want or (fp4 and ss.dtype != dtype):
             raise ValueError(f"{prefix}scale: expected {want} {jnp.dtype(dtype)}, got "
                              f"{None if ss is None else (ss.shape, ss.dtype)}")
-        operands.append(ss.astype(dtype))
+        operands.append(pad_k(ss.astype(dtype), _group_size(fmt)) if fp4 else ss.astype(dtype))
         if fmt == "nvfp4":
             if gs is None or gs.reshape(ws.shape[0], -1).shape[1] != n // global_rows:
                 raise ValueError(f"{prefix}global_scale: expected [{ws.shape[0]}, "
@@ -1312,7 +1351,8 @@ def slot_matmul(
     work: jax.Array,  # [3, W] int32: expert (>= E: unused), first sorted row, row count <=
     #   tile.rows
     a: jax.Array,  # [R, K] (activation_dtype), sorted rows; R >= window_rows(P, tile.rows)
-    #   for items over the rows [0, P); FP4: permute_fp4_activations(., tile)
+    #   for items over the rows [0, P); FP4: permute_fp4_activations(., tile) (a ragged K's
+    #   rows zero-padded to whole K steps)
     w: jax.Array,  # [E, N, K] e4m3 | bf16, or FP4 codes [E, N, K/2] u8
     scale: jax.Array | None = None,  # FP8: [E, cdiv(N, b0), cdiv(K, b1)] f32; NVFP4:
     #   [E, N, K/16] e4m3; MXFP4: [E, N, K/32] u8 (E8M0)
@@ -1357,8 +1397,9 @@ def slot_matmul(
         w, scale, global_scale, extra, fmt=fmt, fp8_block=fp8_block, tile=tile,
         k_splits=k_splits, interpret=interpret)
     h_from = None
-    if h_source is None:
-        want_a, a_dtype = (rows_a, k), activation_dtype(fmt)
+    if h_source is None:  # FP4 over a ragged K: its rows padded to whole steps by the caller
+        width = num_k_steps(k, tile) * tile.block_k if fmt in _WIDE_FORMATS else k
+        want_a, a_dtype = (rows_a, width), activation_dtype(fmt)
     else:
         want_a, a_dtype = (h_source.splits * rows_a, 2 * k), jnp.dtype(jnp.float32)
         if activation_dtype(fmt) != jnp.float16 or k % tile.block_k or row_factor is not None:
@@ -1395,7 +1436,8 @@ def slot_matmul(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    out = kernel(work, a if h_source else pad_k(a), *operands, *epilogue)
+    out = kernel(work, a if h_source or fmt in _WIDE_FORMATS else pad_k(a), *operands,
+                 *epilogue)
     if k_splits == 1 or not sum_splits:
         return out
     return out.reshape(k_splits, rows_a, n).sum(axis=0)
