@@ -115,6 +115,7 @@ def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str],
     from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout
     from pallas_kernels.moe_decode import mosaic
     from pallas_kernels.moe_decode.kernel import num_items
+    from pallas_kernels.moe_decode.rows import row_width
 
     for item in sets:
         name, value = item.split("=", 1)
@@ -138,8 +139,9 @@ def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str],
         return [w, spec((e, n, k // 32), jnp.uint8)]
 
     gu, dn = stack(2 * inter, h), stack(h, inter)
-    tiles = (mosaic.choose_slot_tile(h, fmt=fmt, rows=item_rows),
-             mosaic.choose_slot_tile(inter, fmt=fmt, rows=item_rows))
+    fused = kernel == "slot_mlp"  # FP4_RAGGED_STEP: the three launches only
+    tiles = (mosaic.choose_slot_tile(h, fmt=fmt, rows=item_rows, ragged_fp4=not fused),
+             mosaic.choose_slot_tile(inter, fmt=fmt, rows=item_rows, ragged_fp4=not fused))
     fp8_block = (128, 128) if fmt == "fp8" else None
     work = spec((3, num_items(e, p, item_rows)), jnp.int32)
     rows = mosaic.window_rows(p, item_rows)
@@ -156,10 +158,11 @@ def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str],
     else:
         i = KERNELS.index(kernel) - 1
         arrays, k = (gu, h) if i == 0 else (dn, inter)
-        a = spec((rows, k), jnp.float16)
+        width = row_width(k, tiles[i].block_k if packed == 2 else None)  # a ragged K padded
+        a = spec((rows, width), jnp.float16)
         source = None
-        if i == 1 and mosaic.DOWN_MAKES_H_TOKENS:  # the down kernel making its own h from
-            #   gate_up's output
+        if i == 1 and mosaic.DOWN_MAKES_H_TOKENS and inter % tiles[1].block_k == 0:
+            #   the down kernel making its own h from gate_up's output
             a = spec((rows, 2 * inter), jnp.float32)
             source = mosaic.HSource(1, variant.get("activation", Activation.SILU),
                                     variant.get("layout", GateUpLayout.CONCATENATED),

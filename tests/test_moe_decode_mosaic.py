@@ -467,6 +467,26 @@ def test_compiled_slot_matmul_fp4_ragged_k(fmt, k, k_splits, item_rows):
 
 
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
+def test_pairs_fp4_ragged_step(monkeypatch, fmt):
+    """``FP4_RAGGED_STEP`` through the decode step: H = 192 and I = 320 in steps of 256 (one
+    ragged step; two, the last ragged) in the three launches, x's and h's rows padded to
+    whole steps (``rows.row_width``), at 1, 3 and 12 tokens (one launch forced off), gpt-oss's
+    activation with biases; the one launch (12 tokens by default) keeps ``FP4_STEPS``. Each
+    equals the reference."""
+    kw = arrays(fmt, inter=320, bias=True)
+    variant = dict(activation="gpt_oss", gate_up_layout="interleaved", limit=3.0)
+    with mosaic_constants(monkeypatch, FP4_RAGGED_STEP=256):
+        name = format_name(fmt, None)
+        assert choose_slot_tile(H, fmt=name).block_k == 256
+        assert choose_slot_tile(H, fmt=name, ragged_fp4=False).block_k == 192
+        for t, fused in ((1, None), (3, None), (12, False), (12, None)):
+            x, ids = x_rows(t), routing("random", t, 3, seed=t)
+            out = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=fused, **kw, **variant)
+            ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
+            assert_pairs_close(out, ref, ids, E)
+
+
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
 def test_fp4_rows_and_scales_far_apart(fmt):
     """Rows spanning 1e-4 .. 1e4 (each scaled into f16 by its own power of two) and, for
     MXFP4, E8M0 scales spread over 2^-50 .. 2^10 within K steps (each step's factors are
@@ -603,10 +623,19 @@ def test_slot_matmul_bad_inputs_raise():
     with pytest.raises(NotImplementedError, match=r"K=96 must be a multiple of block_k=128 \(or "
                        r"of 64\)"):
         slot_matmul(work, a[:, :96], w[..., :96], s, fp8_block=FP8_BLOCK)
-    with pytest.raises(NotImplementedError, match="K=192 must be a multiple of block_k=128\n"):
+    with pytest.raises(NotImplementedError, match=r"K=192 must be a multiple of block_k=128 "
+                       r"\(or of 64 at block_k=256\)"):
         slot_matmul(work, jnp.zeros((window_rows(4), 192), jnp.float16),
                     jnp.zeros((2, 128, 96), jnp.uint8), jnp.zeros((2, 128, 12), jnp.uint8),
                     fmt="mxfp4", tile=SlotTile(block_k=128))
+    with pytest.raises(NotImplementedError, match="K=288 must be a multiple of block_k=256"):
+        slot_matmul(work, jnp.zeros((window_rows(4), 512), jnp.float16),  # 288: not of 64
+                    jnp.zeros((2, 128, 144), jnp.uint8), jnp.zeros((2, 128, 9), jnp.uint8),
+                    fmt="mxfp4", tile=SlotTile(block_k=256))
+    with pytest.raises(ValueError, match=r"a: expected \(16, 512\)"):  # FP4 ragged: padded rows
+        slot_matmul(work, jnp.zeros((window_rows(4), 320), jnp.float16),
+                    jnp.zeros((2, 128, 160), jnp.uint8), jnp.zeros((2, 128, 10), jnp.uint8),
+                    fmt="mxfp4", tile=SlotTile(block_k=256))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2159,8 +2159,8 @@ def moe_decode_mosaic_pairs(
     p = expert_ids.size
     if tile is None:
         item_rows = choose_item_rows(x.shape[0], fmt, density=p / e_all)
-        tile = (choose_slot_tile(hidden, fmt=fmt, rows=item_rows),
-                choose_slot_tile(inter, fmt=fmt, rows=item_rows))
+        tile = (choose_slot_tile(hidden, fmt=fmt, rows=item_rows, ragged_fp4=not fused),
+                choose_slot_tile(inter, fmt=fmt, rows=item_rows, ragged_fp4=not fused))
     item_rows = _item_rows(tile, "tile")
     rows = window_rows(p, item_rows)  # sorted rows, then rows no item owns (in the last windows)
 

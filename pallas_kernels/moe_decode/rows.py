@@ -56,12 +56,22 @@ def operand_source(pos, block_k: int):
     return step + c * (block_k // 4) + 8 * w + 4 * j + 2 * qq + hh
 
 
+def row_width(k: int, block_k: int | None) -> int:
+    """A row of ``k`` columns as stored: ``k``, or in the FP4 operand order for steps of
+    ``block_k`` padded to whole steps (a ragged K: ``mosaic.FP4_RAGGED_STEP``)."""
+    return k if block_k is None else -(-k // block_k) * block_k
+
+
 def _columns(k: int, block_k: int | None):
-    """(position, source column, in range) of a row of ``k`` padded to a power of two."""
-    pos = jnp.arange(pl.next_power_of_2(k), dtype=jnp.int32)
-    valid = pos < k
+    """(position, source column, stored, loaded) of a row of ``k`` columns stored
+    ``row_width`` wide, the positions padded to a power of two: ``stored`` the row's
+    positions, ``loaded`` those whose source column is inside K (the others store 0)."""
+    width = row_width(k, block_k)
+    pos = jnp.arange(pl.next_power_of_2(width), dtype=jnp.int32)
+    stored = pos < width
     src = pos if block_k is None else operand_source(pos, block_k)
-    return pos, jnp.where(valid, src, 0), valid
+    loaded = stored if width == k else stored & (src < k)
+    return pos, jnp.where(loaded, src, 0), stored, loaded
 
 
 def _round_to_bf16(v):
@@ -83,9 +93,9 @@ def _store_scaled(rows_ref, factor_ref, r, v, pos, valid):
 
 def _store_x_row(x_ref, rows_ref, factor_ref, r, token, block_k: int | None):
     """Row ``r`` of the rows: token ``token``'s row of x, scaled into f16."""
-    pos, src, valid = _columns(x_ref.shape[1], block_k)
-    v = plgpu.load(x_ref.at[token, src], mask=valid, other=0.0).astype(jnp.float32)
-    _store_scaled(rows_ref, factor_ref, r, v, pos, valid)
+    pos, src, stored, loaded = _columns(x_ref.shape[1], block_k)
+    v = plgpu.load(x_ref.at[token, src], mask=loaded, other=0.0).astype(jnp.float32)
+    _store_scaled(rows_ref, factor_ref, r, v, pos, stored)
 
 
 def _x_rows_kernel(token_ref, x_ref, rows_ref, factor_ref, *, p: int, block_k: int | None,
@@ -127,8 +137,8 @@ def _h_rows_kernel(gu_ref, rows_ref, factor_ref, *, rows: int, splits: int,
                    layout: GateUpLayout, activation: Activation, limit: float | None,
                    alpha: float, block_k: int | None):
     r = pl.program_id(0)
-    inter = rows_ref.shape[1]
-    pos, src, valid = _columns(inter, block_k)
+    inter = gu_ref.shape[1] // 2
+    pos, src, stored, valid = _columns(inter, block_k)
     interleaved = layout is GateUpLayout.INTERLEAVED
     cols = (2 * src, 2 * src + 1) if interleaved else (src, src + inter)
 
@@ -140,7 +150,7 @@ def _h_rows_kernel(gu_ref, rows_ref, factor_ref, *, rows: int, splits: int,
 
     h = _epilogue(part(cols[0]), part(cols[1]), activation, limit, alpha)
     h = jnp.where(valid, _round_to_bf16(h), 0.0)
-    _store_scaled(rows_ref, factor_ref, r, h, pos, valid)
+    _store_scaled(rows_ref, factor_ref, r, h, pos, stored)
 
 
 # Row elements a warp of a row program: gpt-oss's rows of 2880 (padded to 4096) and wider take
@@ -153,13 +163,13 @@ def row_warps(k: int) -> int:
     return min(8, max(4, pl.next_power_of_2(k) // ROW_ELEMENTS_PER_WARP))
 
 
-def _launch(kernel, rows: int, k: int, args, interpret: bool, name: str):
+def _launch(kernel, rows: int, width: int, args, interpret: bool, name: str):
     return pl.pallas_call(
         kernel,
-        out_shape=[jax.ShapeDtypeStruct((rows, k), jnp.float16),
+        out_shape=[jax.ShapeDtypeStruct((rows, width), jnp.float16),
                    jax.ShapeDtypeStruct((rows,), jnp.float32)],
         grid=(rows,),
-        compiler_params=plgpu.CompilerParams(num_warps=row_warps(k), num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=row_warps(width), num_stages=1),
         interpret=interpret,
         name=name,
     )(*args)
@@ -169,12 +179,12 @@ def x_rows(x: jax.Array, token_of_row: jax.Array, rows: int, *, block_k: int | N
            padding: bool = False, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """``x [T, H]`` -> (``rows`` f16 rows in sorted order, their factors): row r is token
     ``token_of_row[r]``'s (past ``len(token_of_row)``: token 0's); ``block_k``: FP4 operand
-    order for K steps of that length; ``padding``: rows of token -1 are padding (a blocked
-    plan's), left unwritten."""
+    order for K steps of that length (``row_width`` wide); ``padding``: rows of token -1 are
+    padding (a blocked plan's), left unwritten."""
     p = token_of_row.shape[0]
     kernel = functools.partial(_x_rows_kernel, p=p, block_k=block_k, padding=padding)
-    return _launch(kernel, rows, x.shape[1], (token_of_row.astype(jnp.int32), x), interpret,
-                   "moe_decode_x_rows")
+    return _launch(kernel, rows, row_width(x.shape[1], block_k),
+                   (token_of_row.astype(jnp.int32), x), interpret, "moe_decode_x_rows")
 
 
 # Up to this many pairs (8 tokens of top-8) the decode step's plan and x rows are one launch
@@ -202,9 +212,10 @@ def plan_x_rows(x: jax.Array, expert_ids: jax.Array, num_experts: int, rows: int
     kernel = functools.partial(_plan_x_rows_kernel, block_k=block_k, plan=plan)
     return _plan_call(
         kernel, expert_ids, num_experts, name="moe_decode_plan_x_rows",
-        num_warps=row_warps(x.shape[1]), interpret=interpret, item_rows=item_rows,
+        num_warps=row_warps(row_width(x.shape[1], block_k)), interpret=interpret,
+        item_rows=item_rows,
         inputs=(x,),
-        outputs=(jax.ShapeDtypeStruct((rows, x.shape[1]), jnp.float16),
+        outputs=(jax.ShapeDtypeStruct((rows, row_width(x.shape[1], block_k)), jnp.float16),
                  jax.ShapeDtypeStruct((rows,), jnp.float32)),
         grid=(rows + 1,))
 
@@ -214,14 +225,16 @@ def h_rows(gu: jax.Array, *, splits: int = 1, activation: Activation = Activatio
            alpha: float = GPT_OSS_ALPHA, block_k: int | None = None,
            interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """The gate_up launch's output ``gu [splits * R, 2I]`` f32 (K-split partials stacked, x's
-    factors and the bias applied) -> (h f16 rows ``[R, I]``, their factors)."""
+    factors and the bias applied) -> (h f16 rows ``[R, I]`` (``row_width`` wide with
+    ``block_k``), their factors)."""
     if gu.ndim != 2 or gu.shape[0] % splits or gu.shape[1] % 2:
         raise ValueError(f"h_rows: expected gu [{splits} * R, 2I], got {gu.shape}")
     rows, inter = gu.shape[0] // splits, gu.shape[1] // 2
     kernel = functools.partial(
         _h_rows_kernel, rows=rows, splits=splits, layout=layout, activation=activation,
         limit=limit, alpha=alpha, block_k=block_k)
-    return _launch(kernel, rows, inter, (gu,), interpret, "moe_decode_h_rows")
+    return _launch(kernel, rows, row_width(inter, block_k), (gu,), interpret,
+                   "moe_decode_h_rows")
 
 
 def rows_reference(v: jax.Array, block_k: int | None = None) -> tuple[jax.Array, jax.Array]:
