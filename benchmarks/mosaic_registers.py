@@ -139,9 +139,8 @@ def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str],
         return [w, spec((e, n, k // 32), jnp.uint8)]
 
     gu, dn = stack(2 * inter, h), stack(h, inter)
-    fused = kernel == "slot_mlp"  # FP4_RAGGED_STEP: the three launches only
-    tiles = (mosaic.choose_slot_tile(h, fmt=fmt, rows=item_rows, ragged_fp4=not fused),
-             mosaic.choose_slot_tile(inter, fmt=fmt, rows=item_rows, ragged_fp4=not fused))
+    tiles = (mosaic.choose_slot_tile(h, fmt=fmt, rows=item_rows),
+             mosaic.choose_slot_tile(inter, fmt=fmt, rows=item_rows))
     fp8_block = (128, 128) if fmt == "fp8" else None
     work = spec((3, num_items(e, p, item_rows)), jnp.int32)
     rows = mosaic.window_rows(p, item_rows)
@@ -154,7 +153,7 @@ def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str],
             return mosaic.slot_mlp(work, a, factor, **dict(zip(names, arrays_, strict=True)),
                                    fmt=fmt, fp8_block=fp8_block, tiles=tiles, **variant)
 
-        a = spec((rows, h), jnp.float16)
+        a = spec((rows, row_width(h, tiles[0].block_k if packed == 2 else None)), jnp.float16)
     else:
         i = KERNELS.index(kernel) - 1
         arrays, k = (gu, h) if i == 0 else (dn, inter)

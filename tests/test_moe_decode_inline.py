@@ -19,6 +19,7 @@ import pytest
 
 from pallas_kernels.moe_decode import mosaic
 from pallas_kernels.moe_decode.mosaic import BLOCK_N, SlotTile
+from pallas_kernels.moe_decode.rows import row_width
 from tests.mgpu_emulator import Memory, emulate, row_values, smem_image, wgmma_matrix
 
 # (K, step): Qwen3's gate_up (2048) and down (768) in steps of 256, gpt-oss's 2880 in 192 and
@@ -189,10 +190,12 @@ def _h_reference(gu, rows, first, count, splits, layout, activation, limit, bloc
     return np.asarray(new), np.asarray(factor)
 
 
-# (I, layout, activation, limit, FP4 step or None): Qwen3, gpt-oss, DeepSeek-V3 (its 2048)
+# (I, layout, activation, limit, FP4 step or None): Qwen3, gpt-oss, DeepSeek-V3 (its 2048);
+# FP4 steps of 256 over a ragged I (FP4_RAGGED_STEP: gpt-oss's 2880, and 320)
 H_CASES = [(768, "concatenated", "silu", None, 256), (768, "concatenated", "silu", None, None),
            (2880, "interleaved", "gpt_oss", 7.0, 192), (2880, "interleaved", "gpt_oss", 7.0, None),
-           (2048, "concatenated", "silu", None, 256)]
+           (2048, "concatenated", "silu", None, 256), (2880, "interleaved", "gpt_oss", 7.0, 256),
+           (320, "concatenated", "silu", None, 256)]
 
 
 @pytest.mark.parametrize("inter,layout,activation,limit,block_k", H_CASES)
@@ -204,8 +207,9 @@ def test_h_program_inline(emulated, monkeypatch, inter, layout, activation, limi
     rounded to bf16, scaled into f16 by a power of two, in the FP4 operand column order where
     ``block_k`` is given, and the factor; the chunks kept in registers or recomputed in rolled
     loops of ``H_ROLL`` (``H_KEEP_CHUNKS``; a last iteration's chunks past the row masked);
-    rows past ``count`` and other rows untouched. Against ``rows.h_rows``' math (the
-    emulator's ``exp`` is numpy's: values within a bf16 rounding, factors exact)."""
+    rows past ``count`` and other rows untouched; over a ragged I the rows ``row_width``
+    wide, zeros past I. Against ``rows.h_rows``' math (the emulator's ``exp`` is numpy's:
+    values within a bf16 rounding, factors exact)."""
     from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout
     from tests.mgpu_emulator import Memory
 
@@ -219,7 +223,7 @@ def test_h_program_inline(emulated, monkeypatch, inter, layout, activation, limi
     gu[[s * rows + 5 for s in range(splits)]] = 0.0  # a row of zeros (the factor's floor)
     layout, activation = GateUpLayout(layout), Activation(activation)
     for first, count in [(0, program_rows), (5, max(program_rows - 1, 1)), (rows - 1, 1)]:
-        poison_h = np.full((rows, inter), np.nan, np.float16)
+        poison_h = np.full((rows, row_width(inter, block_k)), np.nan, np.float16)
         h, hf = Memory(poison_h), Memory(np.full(rows, -1.0, np.float32))
         red = Memory(np.zeros(4, np.float32))
         mosaic._h_program_inline(Memory(gu), h, hf, first, count, red, splits=splits,

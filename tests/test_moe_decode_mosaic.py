@@ -48,6 +48,7 @@ from pallas_kernels.moe_decode.mosaic import (
     window_rows,
     work_items,
 )
+from pallas_kernels.moe_decode.rows import row_width
 from tests.test_moe import make
 from tests.test_moe_decode_kernel import far_apart_case, make_weights, rel_err, routing
 
@@ -469,16 +470,15 @@ def test_compiled_slot_matmul_fp4_ragged_k(fmt, k, k_splits, item_rows):
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
 def test_pairs_fp4_ragged_step(monkeypatch, fmt):
     """``FP4_RAGGED_STEP`` through the decode step: H = 192 and I = 320 in steps of 256 (one
-    ragged step; two, the last ragged) in the three launches, x's and h's rows padded to
-    whole steps (``rows.row_width``), at 1, 3 and 12 tokens (one launch forced off), gpt-oss's
-    activation with biases; the one launch (12 tokens by default) keeps ``FP4_STEPS``. Each
-    equals the reference."""
+    ragged step; two, the last ragged), x's and h's rows padded to whole steps
+    (``rows.row_width``; the one launch's h program writes zeros past I), at 1 and 3 tokens
+    (three launches) and 12 (both), gpt-oss's activation with biases. Each equals the
+    reference."""
     kw = arrays(fmt, inter=320, bias=True)
     variant = dict(activation="gpt_oss", gate_up_layout="interleaved", limit=3.0)
     with mosaic_constants(monkeypatch, FP4_RAGGED_STEP=256):
         name = format_name(fmt, None)
         assert choose_slot_tile(H, fmt=name).block_k == 256
-        assert choose_slot_tile(H, fmt=name, ragged_fp4=False).block_k == 192
         for t, fused in ((1, None), (3, None), (12, False), (12, None)):
             x, ids = x_rows(t), routing("random", t, 3, seed=t)
             out = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=fused, **kw, **variant)
@@ -1186,11 +1186,14 @@ class TestLowersForHopper:
     @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda v: v.value)
     def test_fp4_ragged_step_lowers(self, monkeypatch, fmt):
         """``FP4_RAGGED_STEP``: gpt-oss's gate_up (K of 2880) in 12 steps of 256, the last
-        ragged (32-byte code swizzle, clamped scale loads), alone and K split in three."""
+        ragged (32-byte code swizzle, clamped scale loads), alone and K split in three; its
+        one launch (the h program's rows padded, zeros past I)."""
         with mosaic_constants(monkeypatch, FP4_RAGGED_STEP=256):
             assert choose_slot_tile(2880, fmt=format_name(fmt, None)).block_k == 256
             self.lower_slot_matmul(fmt, 5760, 2880, 3)
             self.lower_slot_matmul(fmt, 5760, 2880, 1)
+            self.lower_one_launch(fmt, 2880, 2880, (1, 3), dict(
+                activation="gpt_oss", layout="interleaved", limit=7.0, rows=8))
 
     @pytest.mark.parametrize("n,k,k_splits", [(1536, 2048, 1), (5760, 2880, 1),
                                               (2880, 2880, 3), (2048, 768, 3)])
@@ -1257,8 +1260,9 @@ class TestLowersForHopper:
                             fp8_block=(128, 128) if fmt is FP8 else None, tiles=tiles,
                             k_splits=k_splits, **variant)
 
+        width = row_width(h, tiles[0].block_k if fmt in FP4 else None)  # a ragged K padded
         args = [jax.ShapeDtypeStruct((3, e + p // ROWS), jnp.int32),
-                jax.ShapeDtypeStruct((rows, h), jnp.float16),
+                jax.ShapeDtypeStruct((rows, width), jnp.float16),
                 jax.ShapeDtypeStruct((rows,), jnp.float32), *specs]
         text = export.export(jax.jit(f), platforms=["cuda"])(*args).mlir_module()
         assert "mosaic_gpu" in text
@@ -1310,9 +1314,9 @@ def test_compiled_one_launch_timeline_on_gpu(t):
         assert (np.diff(item[phase == p]) >= 0).all() and item[phase == p][0] == 0
 
 
-def check_compiled(fmt, k_splits, t: int, fused: bool, *, inter: int,
+def check_compiled(fmt, k_splits, t: int, fused: bool, *, inter: int, h: int = 1024,
                    variant=(("activation", "gpt_oss"), ("gate_up_layout", "interleaved"))):
-    e, h, k = 16, 1024, 4
+    e, k = 16, 4
     rng = np.random.default_rng(t)
     kw = arrays(fmt, e=e, h=h, inter=inter, bias=True, seed=1, fp8_block=(128, 128))
     ids = np.stack([rng.permutation(e)[:k] for _ in range(t)])
@@ -1324,6 +1328,17 @@ def check_compiled(fmt, k_splits, t: int, fused: bool, *, inter: int,
     out = moe_decode_mosaic_pairs(x, ids, **kw, **variant, k_splits=k_splits, fused=fused)
     ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw, **variant)
     assert_pairs_close(out, ref, ids, e, tol=5e-3)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
+@pytest.mark.parametrize("t,fused", [(1, False), (3, False), (12, False), (12, True),
+                                     (33, False)])
+def test_compiled_fp4_ragged_step_on_gpu(monkeypatch, fmt, t, fused):
+    """``FP4_RAGGED_STEP`` compiled end to end: H = 960 and I = 320 in steps of 256 (the last
+    of each ragged), x's and h's rows padded, three launches and the one launch's h program."""
+    with mosaic_constants(monkeypatch, FP4_RAGGED_STEP=256):
+        check_compiled(fmt, (1, 1), t, fused, inter=320, h=960)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")

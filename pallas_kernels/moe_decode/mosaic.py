@@ -140,7 +140,7 @@ FP4_STEPS = (256, 192)  # FP4 K step widths, the first that divides K (else 128 
 FP4_RAGGED_STEP: int | None = None  # 256: FP4 K steps of 256 for any K that is a multiple of 64,
 #   the last step ragged (codes and activations zero past K, the scale loads kept on the row's
 #   groups), in place of FP4_STEPS' 192 for gpt-oss's 2880 (12 steps of 16 code words a thread
-#   against 15 of 12); None: FP4_STEPS. Three launches only (the one launch keeps FP4_STEPS).
+#   against 15 of 12); None: FP4_STEPS.
 FP4_PARTS_192 = 1  # the same for steps of 192 (gpt-oss's K of 2880; 1 or 3). 3 (parts of 64):
 #   offline ptxas at windows of 8 (16), with H_KEEP_CHUNKS=8, gpt-oss MXFP4 gate_up
 #   93 -> 64 registers (100 -> 72), the one launch 95 -> 68 (103 -> 72): 5 -> 7 CTAs an SM, for
@@ -241,17 +241,17 @@ class SlotTile:
 
 
 def choose_slot_tile(k: int, num_stages: int | None = None, fmt: str | None = None,
-                     rows: int = ROWS, ragged_fp4: bool = True) -> SlotTile:
+                     rows: int = ROWS) -> SlotTile:
     """Pure heuristic: K steps of 128 where they divide K, else 64; FP8 and BF16 (``fmt``)
     take steps of 128 for any K that is a multiple of 64 (the last step ragged), NVFP4 and
     MXFP4 the first of ``FP4_STEPS`` that divides K (256, else 192: gpt-oss's 2880 in 15
     steps). Stages: ``NUM_STAGES``, ``NUM_STAGES_LONG`` where K is ``LONG_K_STEPS`` steps or
     more (gpt-oss's 2880: 23 of 128), ``NUM_STAGES_WIDE`` for steps wider than 128, unless
-    given. ``rows``: the items' rows (``choose_item_rows``). With ``FP4_RAGGED_STEP`` set (and
-    ``ragged_fp4``) FP4 takes steps of that width wherever K is a multiple of 64 and not of it
-    (the last step ragged)."""
+    given. ``rows``: the items' rows (``choose_item_rows``). With ``FP4_RAGGED_STEP`` set FP4
+    takes steps of that width wherever K is a multiple of 64 and not of it (the last step
+    ragged)."""
     wide = [w for w in FP4_STEPS if k % w == 0] if fmt in _WIDE_FORMATS else []
-    if _fp4_ragged(fmt, k, FP4_RAGGED_STEP) and ragged_fp4:
+    if _fp4_ragged(fmt, k, FP4_RAGGED_STEP):
         wide = [FP4_RAGGED_STEP]
     narrow = 128 if k % 128 == 0 or _takes_ragged_k(fmt, k) else 64
     block_k = wide[0] if wide else narrow
@@ -1512,12 +1512,12 @@ def _h_program_jnp(gu_ref, h_ref, hf_ref, first, count, *, splits: int, rows: in
                    block_k: int | None):
     """Interpret mode's ``_h_program_inline``: the same rows by jnp (``rows.h_rows``' math);
     ``h_ref``'s columns past I (the interpreter's padding to whole K steps) get zeros."""
-    inter, n = gu_ref.shape[1] // 2, min(H_PROGRAM_ROWS, rows)
+    n = min(H_PROGRAM_ROWS, rows)
     at = jnp.minimum(first, rows - n)  # n rows from here hold the program's, inside R
     h = _h_jnp(gu_ref, at, n, splits=splits, rows=rows, layout=layout, activation=activation,
                limit=limit, alpha=alpha)
-    new, factor = row_launches.rows_reference(h, block_k)
-    new = jnp.pad(new, ((0, 0), (0, h_ref.shape[1] - inter)))
+    new, factor = row_launches.rows_reference(h, block_k)  # FP4: row_width wide
+    new = jnp.pad(new, ((0, 0), (0, h_ref.shape[1] - new.shape[1])))
     valid = (at + jnp.arange(n) >= first) & (at + jnp.arange(n) < first + count)
     h_ref[pl.ds(at, n), :] = jnp.where(valid[:, None], new, h_ref[pl.ds(at, n), :])
     hf_ref[pl.ds(at, n)] = jnp.where(valid, factor, hf_ref[pl.ds(at, n)])
@@ -1603,7 +1603,8 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, spli
     ``[first, first + count)`` (``count <= H_PROGRAM_ROWS``; the threads of rows past it only
     join the barriers) of the gate_up output ``gu_ref [splits * R, 2I]`` f32 (K-split partials
     summed) -> ``act(gate) * up`` rounded to bf16, scaled by a power of two into f16
-    (``rows._store_scaled``) into ``h_ref [R, I]``, the factor into ``hf_ref [R]``. A row's
+    (``rows._store_scaled``) into ``h_ref [R, I]`` (FP4 over a ragged K: ``[R, row_width]``,
+    the positions whose column is past I zero), the factor into ``hf_ref [R]``. A row's
     thread ``t`` takes chunks of ``H_CHUNK`` columns ``t, t + lanes, ...``, loaded straight from
     global memory (L2; no SMEM), all in flight at once; the row's max |h| by shuffles (and,
     rows wider than a warp, through ``red_ref [4]`` f32 SMEM). The values stay in registers
@@ -1621,7 +1622,8 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, spli
     per = H_CHUNK  # h columns a chunk
     lanes = 128 if tile else 128 // H_PROGRAM_ROWS  # threads a row
     warps_a_row = max(lanes // 32, 1)
-    kcols = tile[2] if tile else inter
+    kcols = tile[2] if tile else row_launches.row_width(inter, block_k)
+    ragged = kcols != inter and not tile  # FP4 rows padded to whole K steps
     chunks = kcols // per  # a row's
     lane_chunks = -(-chunks // lanes)
     keep = lane_chunks <= (H_TILE_KEEP_CHUNKS if tile else H_KEEP_CHUNKS)
@@ -1680,15 +1682,21 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, spli
                 pairs = [(scalar(v[j // 2], 2 * (j % 2)), scalar(v[j // 2], 2 * (j % 2) + 1))
                          for j in range(per)]
             else:
-                pairs = []
+                pairs, inside = [], []
                 for j in range(per):
                     src = _operand_source_mlir(arith.addi(pos0, _i32(j)), block_k)
+                    if ragged:  # a column past I: 0 (its loads kept on the row)
+                        inside.append(arith.cmpi(arith.CmpIPredicate.ult, src, _i32(inter)))
+                        src = arith.select(inside[-1], src, _i32(0))
                     two = arith.muli(src, _i32(2))
                     cols = ((two, arith.addi(two, _i32(1))) if interleaved
                             else (src, arith.addi(src, _i32(inter))))
                     pairs.append(tuple(summed(col, f32) for col in cols))
             vals = [arith.extf(f32, arith.truncf(ir.BF16Type.get(), _act_mlir(
                 g, u, activation, limit, alpha))) for g, u in pairs]
+            if ragged:
+                vals = [arith.select(ok_, v, _f32c(0.0)) for ok_, v in zip(inside, vals,
+                                                                            strict=True)]
             return pos0, vals, ok
 
         def chunk_max(amax, vals, ok):
@@ -1738,7 +1746,7 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, spli
                                   arith.subi(pos0, args[-1].registers.item()),
                                   wn=tile[3], bk=tile[4])
             else:
-                at = arith.muli(arith.addi(arith.muli(row, _i32(inter)), pos0), _i32(2))
+                at = arith.muli(arith.addi(arith.muli(row, _i32(kcols)), pos0), _i32(2))
             if ok is None:
                 llvm.store(packed, _gep(h_ptr, at))
             else:
@@ -1990,8 +1998,10 @@ def slot_mlp(
         raise ValueError(f"down: expected [E, {hidden}, {two_i // 2}] (logical), got "
                          f"[E, {n_down}, {inter}]")
     _item_rows(tiles, "tiles")
-    if a.shape != (rows, hidden) or a.dtype != jnp.float16 or rows < tiles[0].window:
-        raise ValueError(f"a: expected [R >= {tiles[0].window}, {hidden}] float16, got {a.shape} "
+    fp4 = fmt in _WIDE_FORMATS  # its rows in the operand order, padded to whole K steps
+    width = row_launches.row_width(hidden, tiles[0].block_k if fp4 else None)
+    if a.shape != (rows, width) or a.dtype != jnp.float16 or rows < tiles[0].window:
+        raise ValueError(f"a: expected [R >= {tiles[0].window}, {width}] float16, got {a.shape} "
                          f"{a.dtype}")
     if a_factor.shape != (rows,) or a_factor.dtype != jnp.float32:
         raise ValueError(f"a_factor: expected [{rows}] float32, got {a_factor.shape} "
@@ -2002,9 +2012,9 @@ def slot_mlp(
             if extra_gate_up is not None:
                 raise ValueError(f"{name}: the extra stack takes no biases")
             biases.append(_checked_bias(b, gate_up.shape[0], n))
-    fp4 = fmt in _WIDE_FORMATS
-    # interpret mode: h's columns padded to whole K steps (the TMA's zero fill past K)
-    h_cols = num_k_steps(inter, tiles[1]) * tiles[1].block_k if interpret else inter
+    # h's columns padded to whole K steps: FP4 (the operand order over a ragged K), interpret
+    #   mode (the TMA's zero fill past K)
+    h_cols = num_k_steps(inter, tiles[1]) * tiles[1].block_k if interpret or fp4 else inter
     splits_gu, splits_down = k_splits
     programs = work.shape[1] * sum(_fused_programs(two_i, hidden, k_splits, tiles[0].rows))
     scratch = [_w_stage(t, jnp.float16) for t in tiles] if interpret else []
@@ -2033,7 +2043,8 @@ def slot_mlp(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    _, _, _, y, *tl = kernel(work, gu_pad(a), a_factor, *gu_ops, *down_ops, *biases)
+    _, _, _, y, *tl = kernel(work, a if fp4 else gu_pad(a), a_factor, *gu_ops, *down_ops,
+                             *biases)
     return (y, tl[0]) if timeline else y
 
 
@@ -2159,8 +2170,8 @@ def moe_decode_mosaic_pairs(
     p = expert_ids.size
     if tile is None:
         item_rows = choose_item_rows(x.shape[0], fmt, density=p / e_all)
-        tile = (choose_slot_tile(hidden, fmt=fmt, rows=item_rows, ragged_fp4=not fused),
-                choose_slot_tile(inter, fmt=fmt, rows=item_rows, ragged_fp4=not fused))
+        tile = (choose_slot_tile(hidden, fmt=fmt, rows=item_rows),
+                choose_slot_tile(inter, fmt=fmt, rows=item_rows))
     item_rows = _item_rows(tile, "tile")
     rows = window_rows(p, item_rows)  # sorted rows, then rows no item owns (in the last windows)
 
