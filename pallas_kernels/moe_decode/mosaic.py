@@ -140,7 +140,9 @@ FP4_STEPS = (256, 192)  # FP4 K step widths, the first that divides K (else 128 
 FP4_RAGGED_STEP: int | None = None  # 256: FP4 K steps of 256 for any K that is a multiple of 64,
 #   the last step ragged (codes and activations zero past K, the scale loads kept on the row's
 #   groups), in place of FP4_STEPS' 192 for gpt-oss's 2880 (12 steps of 16 code words a thread
-#   against 15 of 12); None: FP4_STEPS.
+#   against 15 of 12); None: FP4_STEPS. Offline ptxas at windows of 8: gpt-oss's FP4 gate_up and
+#   down 91-95 -> 72-74 registers (5 -> 6 CTAs an SM), a program's K loop -6% instructions; the
+#   one launch 109 -> 106 (NOTES, session 34). Not timed yet: off.
 FP4_PARTS_192 = 1  # the same for steps of 192 (gpt-oss's K of 2880; 1 or 3). 3 (parts of 64):
 #   offline ptxas at windows of 8 (16), with H_KEEP_CHUNKS=8, gpt-oss MXFP4 gate_up
 #   93 -> 64 registers (100 -> 72), the one launch 95 -> 68 (103 -> 72): 5 -> 7 CTAs an SM, for
