@@ -264,7 +264,9 @@ def test_window_factors_and_row_bias_inline(emulated):
     (768, "concatenated", "silu", None, 256, 256, 256, 512, 8),  # its last of three splits
     (768, "concatenated", "silu", None, None, 128, 384, 384, 16),  # FP8, windows of 16
     (2880, "interleaved", "gpt_oss", 7.0, 192, 192, 960, 960, 8),  # gpt-oss FP4, split 2 of 3
-    (2880, "interleaved", "gpt_oss", 7.0, 320, 320, 2880, 0, 8)])  # steps of 320, one split
+    (2880, "interleaved", "gpt_oss", 7.0, 320, 320, 2880, 0, 8),  # steps of 320, one split
+    (2880, "interleaved", "gpt_oss", 7.0, 256, 256, 1536, 1536, 8),  # ragged 256: split 2 of 2
+    (320, "concatenated", "silu", None, 256, 256, 512, 0, 8)])  # ragged, one split
 @pytest.mark.parametrize("splits", [1, 2])
 def test_h_tile_inline(emulated, inter, layout, activation, limit, block_k, bk, kcols, k0, wn,
                        splits):

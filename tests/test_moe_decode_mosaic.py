@@ -1187,13 +1187,15 @@ class TestLowersForHopper:
     def test_fp4_ragged_step_lowers(self, monkeypatch, fmt):
         """``FP4_RAGGED_STEP``: gpt-oss's gate_up (K of 2880) in 12 steps of 256, the last
         ragged (32-byte code swizzle, clamped scale loads), alone and K split in three; its
-        one launch (the h program's rows padded, zeros past I)."""
+        one launch (the h program's rows padded, zeros past I); its own-h down launch (the
+        last split's h tile zero past I)."""
         with mosaic_constants(monkeypatch, FP4_RAGGED_STEP=256):
             assert choose_slot_tile(2880, fmt=format_name(fmt, None)).block_k == 256
             self.lower_slot_matmul(fmt, 5760, 2880, 3)
             self.lower_slot_matmul(fmt, 5760, 2880, 1)
             self.lower_one_launch(fmt, 2880, 2880, (1, 3), dict(
                 activation="gpt_oss", layout="interleaved", limit=7.0, rows=8))
+            self.test_h_source_lowers(fmt, 2880, 2880, 3, 3, 8, True)
 
     @pytest.mark.parametrize("n,k,k_splits", [(1536, 2048, 1), (5760, 2880, 1),
                                               (2880, 2880, 3), (2048, 768, 3)])

@@ -339,7 +339,8 @@ def _kernel(
                     nt=lax.axis_index("n"), split=split, **static)
 
 
-# Three launches (f16 activations, K of down a multiple of its step): each down program makes
+# Three launches (f16 activations, K of down a multiple of its step, or FP4_RAGGED_STEP's ragged
+# steps, h zero past I): each down program makes
 # its window's h for its own K steps from the gate_up output in L2 (``slot_matmul(h_source=)``:
 # ``_h_program_inline`` a row of its item at a time into an SMEM tile in the wgmma B layout),
 # and the h launch (``rows.h_rows``) goes: one launch and its gap fewer a step at 1-7 tokens,
@@ -1382,7 +1383,8 @@ def slot_matmul(
     ``k_splits`` > 1 splits K over that many programs per (item, 64 weight rows), each with its own
     output rows, summed here (more programs for few tokens; ``sum_splits=False``: returned
     stacked, ``[k_splits * R, N]``, the bias in split 0's); it must divide ``K / block_k``.
-    ``h_source`` (``DOWN_MAKES_H_TOKENS``; f16 activations, K a multiple of ``block_k``): ``a``
+    ``h_source`` (``DOWN_MAKES_H_TOKENS``; f16 activations, K a multiple of ``block_k`` or FP4's
+    ragged steps of 256, whose h past K is zero): ``a``
     is the gate_up launch's stacked output ``[h_source.splits * R, 2K]`` f32, and each program
     makes its window's h for its own K steps (``rows.h_rows``' math, scaled against those columns'
     max) in SMEM, the row factors with it; ``row_factor`` must be None.
@@ -1404,9 +1406,11 @@ def slot_matmul(
         want_a, a_dtype = (rows_a, width), activation_dtype(fmt)
     else:
         want_a, a_dtype = (h_source.splits * rows_a, 2 * k), jnp.dtype(jnp.float32)
-        if activation_dtype(fmt) != jnp.float16 or k % tile.block_k or row_factor is not None:
+        whole = k % tile.block_k == 0 or _fp4_ragged(fmt, k, tile.block_k)
+        if activation_dtype(fmt) != jnp.float16 or not whole or row_factor is not None:
             raise ValueError(f"h_source: f16 activations (not {fmt}), K={k} a multiple of "
-                             f"block_k={tile.block_k}, and no row_factor")
+                             f"block_k={tile.block_k} (FP4: or ragged at 256), and no "
+                             f"row_factor")
         h_from = dict(splits=h_source.splits, rows=rows_a, layout=h_source.layout,
                       activation=h_source.activation, limit=h_source.limit,
                       alpha=h_source.alpha, block_k=tile.block_k if fmt in _WIDE_FORMATS
@@ -1545,6 +1549,8 @@ def _h_tile_jnp(gu_ref, row0, k0, *, wn: int, kcols: int, bk: int, splits: int, 
     ``[wn]`` f32 factors)."""
     h = _h_jnp(gu_ref, row0, wn, splits=splits, rows=rows, layout=layout,
                activation=activation, limit=limit, alpha=alpha)
+    inter = h.shape[1]  # FP4 over a ragged I: zeros past it, to whole steps
+    h = jnp.pad(h, ((0, 0), (0, row_launches.row_width(inter, block_k) - inter)))
     h = lax.dynamic_slice_in_dim(h, k0, kcols, axis=1)
     values, factors = row_launches.rows_reference(h, block_k)
     return values.reshape(wn, kcols // bk, bk).transpose(1, 0, 2), factors
@@ -1625,7 +1631,7 @@ def _h_program_inline(gu_ref, h_ref, hf_ref, first, count, red_ref=None, *, spli
     lanes = 128 if tile else 128 // H_PROGRAM_ROWS  # threads a row
     warps_a_row = max(lanes // 32, 1)
     kcols = tile[2] if tile else row_launches.row_width(inter, block_k)
-    ragged = kcols != inter and not tile  # FP4 rows padded to whole K steps
+    ragged = row_launches.row_width(inter, block_k) != inter  # FP4 rows padded to whole steps
     chunks = kcols // per  # a row's
     lane_chunks = -(-chunks // lanes)
     keep = lane_chunks <= (H_TILE_KEEP_CHUNKS if tile else H_KEEP_CHUNKS)
@@ -2241,7 +2247,8 @@ def moe_decode_mosaic_pairs(
             return (pairs, stamps) if timeline else pairs
         gu = launch(a, factor, gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, xs,
                     tile[0], k_splits[0])  # [S * R, 2I]
-        own_h = x.shape[0] <= DOWN_MAKES_H_TOKENS and inter % tile[1].block_k == 0
+        own_h = x.shape[0] <= DOWN_MAKES_H_TOKENS and (
+            inter % tile[1].block_k == 0 or _fp4_ragged(fmt, inter, tile[1].block_k))
         if own_h:  # each down program its own h
             y = slot_matmul(work, gu, down, down_scale, xd, down_global_scale, bias=down_bias,
                             fmt=fmt, fp8_block=fp8_block, tile=tile[1], k_splits=k_splits[1],
