@@ -160,9 +160,7 @@ def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str],
         width = row_width(k, tiles[i].block_k if packed == 2 else None)  # a ragged K padded
         a = spec((rows, width), jnp.float16)
         source = None
-        bk = tiles[1].block_k
-        if i == 1 and mosaic.DOWN_MAKES_H_TOKENS and (
-                inter % bk == 0 or mosaic._fp4_ragged(fmt, inter, bk)):
+        if i == 1 and mosaic.DOWN_MAKES_H_TOKENS and mosaic.own_h_takes(fmt, inter, tiles[1]):
             #   the down kernel making its own h from gate_up's output
             a = spec((rows, 2 * inter), jnp.float32)
             source = mosaic.HSource(1, variant.get("activation", Activation.SILU),

@@ -501,6 +501,7 @@ def _matmul_program(
         before them), the accumulator then times ``2^(s_max - 127 + PLACEMENT)``. The scale
         bytes are loaded ``SCALE_PREFETCH`` steps before their step turns them into factors (a
         load's latency not on a step's path)."""
+        ragged = k % bk != 0  # FP4_RAGGED_STEP: the last step's scale loads kept on the row
         if stage_w:
             bits_of = functools.partial(_fp4_scale_bits_jnp, scale_ref, e, n0, fmt=fmt,
                                         tile=tile)
@@ -509,7 +510,7 @@ def _matmul_program(
         else:
             bits_of = functools.partial(_fp4_scale_bits_inline, scale_ref,
                                         e * scale_ref.shape[1] + n0, fmt=fmt, tile=tile,
-                                        ragged=k % bk != 0)
+                                        ragged=ragged)
             factors_of = functools.partial(_fp4_factors_inline, fmt=fmt, tile=tile)
             operands_of = functools.partial(_fp4_operands_inline, tile=tile, k=k)
         first, advance = ahead(lambda kb: bits_of(at(kb)))
@@ -522,7 +523,7 @@ def _matmul_program(
                 top = _mx_row_top_jnp(scale_ref, e, n0, first_group, **span)
             else:
                 top = _mx_row_top_inline(scale_ref, e * scale_ref.shape[1] + n0, first_group,
-                                         step_groups=step_groups, ragged=k % bk != 0, **span)
+                                         step_groups=step_groups, ragged=ragged, **span)
             factors_of = functools.partial(factors_of, top=top)
 
         # compiled steps of 256 as FP4_PARTS wgmmas in turn (192: FP4_PARTS_192), the operand's
@@ -915,15 +916,15 @@ def _fp4_scale_bits_inline(scale_ref, row0, kb, *, fmt: str, tile: SlotTile,
         bits = [[] for _ in range(words)]  # [word][row half]
         for i in range(2):  # row half
             r = arith.addi(first_row.registers.item(), arith.addi(row, _i32(8 * i)))
-            at = arith.addi(arith.muli(r, _i32(stride)), first_col.registers.item())
+            base = arith.muli(r, _i32(stride))
+            at = arith.addi(base, first_col.registers.item())
             if fmt == "nvfp4":  # the thread's first group: quad * (bk / 4) / 16
                 own = arith.muli(quad, _i32(bk // 64))
             else:  # the group of its first column: quad * (bk / 4) / 32
                 own = arith.divui(arith.muli(quad, _i32(bk // 4)), _i32(32))
             if ragged:  # the row's last bytes for a step past them
-                col = arith.minui(arith.addi(first_col.registers.item(), own),
-                                  _i32(stride - nbytes))
-                at = arith.addi(arith.muli(r, _i32(stride)), col)
+                at = arith.addi(base, arith.minui(arith.addi(first_col.registers.item(), own),
+                                                  _i32(stride - nbytes)))
             else:
                 at = arith.addi(at, own)
             half = [None] * words
@@ -1063,15 +1064,16 @@ def _mx_row_top_inline(scale_ref, row0, first_group, *, groups: int, step_groups
         tops = []
         for i in range(2):  # row half
             r = arith.addi(first_row.registers.item(), arith.addi(row, _i32(8 * i)))
-            at = arith.addi(arith.muli(r, _i32(stride)), first_col.registers.item())
+            base = arith.muli(r, _i32(stride))
+            at = arith.addi(base, first_col.registers.item())
             top = _i32(0)
             for m in range(-(-loads // 4)):
                 j = arith.minui(arith.addi(quad, _i32(4 * m)), _i32(loads - 1))
-                here = arith.addi(at, arith.muli(j, _i32(unit)))
                 if ragged:  # the row's last load for a load past its bytes
                     col = arith.addi(first_col.registers.item(), arith.muli(j, _i32(unit)))
-                    here = arith.addi(arith.muli(r, _i32(stride)),
-                                      arith.minui(col, _i32(stride - unit)))
+                    here = arith.addi(base, arith.minui(col, _i32(stride - unit)))
+                else:
+                    here = arith.addi(at, arith.muli(j, _i32(unit)))
                 if unit == 8:
                     vec = _load(ptr, here, ir.VectorType.get((2,), i32))
                     words = [vector.extract(vec, dynamic_position=[],
@@ -1214,6 +1216,12 @@ def _fp4_ragged(fmt: str | None, k: int, block_k: int | None) -> bool:
     """Whether FP4 weights of K run in steps of ``block_k`` = 256 with a ragged last step (K
     a multiple of 64, not of 256)."""
     return fmt in _WIDE_FORMATS and block_k == 256 and k % 64 == 0 and k % block_k != 0
+
+
+def own_h_takes(fmt: str, k: int, tile: SlotTile) -> bool:
+    """Whether a down launch of K (``tile``'s steps) can make its own h (``h_source``): K a
+    multiple of the step, or FP4's ragged steps of 256 (h zero past K)."""
+    return k % tile.block_k == 0 or _fp4_ragged(fmt, k, tile.block_k)
 
 
 def activation_dtype(fmt: str) -> jnp.dtype:
@@ -1406,8 +1414,8 @@ def slot_matmul(
         want_a, a_dtype = (rows_a, width), activation_dtype(fmt)
     else:
         want_a, a_dtype = (h_source.splits * rows_a, 2 * k), jnp.dtype(jnp.float32)
-        whole = k % tile.block_k == 0 or _fp4_ragged(fmt, k, tile.block_k)
-        if activation_dtype(fmt) != jnp.float16 or not whole or row_factor is not None:
+        if (activation_dtype(fmt) != jnp.float16 or not own_h_takes(fmt, k, tile)
+                or row_factor is not None):
             raise ValueError(f"h_source: f16 activations (not {fmt}), K={k} a multiple of "
                              f"block_k={tile.block_k} (FP4: or ragged at 256), and no "
                              f"row_factor")
@@ -2247,8 +2255,7 @@ def moe_decode_mosaic_pairs(
             return (pairs, stamps) if timeline else pairs
         gu = launch(a, factor, gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, xs,
                     tile[0], k_splits[0])  # [S * R, 2I]
-        own_h = x.shape[0] <= DOWN_MAKES_H_TOKENS and (
-            inter % tile[1].block_k == 0 or _fp4_ragged(fmt, inter, tile[1].block_k))
+        own_h = x.shape[0] <= DOWN_MAKES_H_TOKENS and own_h_takes(fmt, inter, tile[1])
         if own_h:  # each down program its own h
             y = slot_matmul(work, gu, down, down_scale, xd, down_global_scale, bias=down_bias,
                             fmt=fmt, fp8_block=fp8_block, tile=tile[1], k_splits=k_splits[1],

@@ -138,18 +138,18 @@ def _h_rows_kernel(gu_ref, rows_ref, factor_ref, *, rows: int, splits: int,
                    alpha: float, block_k: int | None):
     r = pl.program_id(0)
     inter = gu_ref.shape[1] // 2
-    pos, src, stored, valid = _columns(inter, block_k)
+    pos, src, stored, loaded = _columns(inter, block_k)
     interleaved = layout is GateUpLayout.INTERLEAVED
     cols = (2 * src, 2 * src + 1) if interleaved else (src, src + inter)
 
     def part(c):  # the gate or up columns of row r, split partials summed
-        v = plgpu.load(gu_ref.at[r, c], mask=valid, other=0.0)
+        v = plgpu.load(gu_ref.at[r, c], mask=loaded, other=0.0)
         for s in range(1, splits):
-            v = v + plgpu.load(gu_ref.at[s * rows + r, c], mask=valid, other=0.0)
+            v = v + plgpu.load(gu_ref.at[s * rows + r, c], mask=loaded, other=0.0)
         return v
 
     h = _epilogue(part(cols[0]), part(cols[1]), activation, limit, alpha)
-    h = jnp.where(valid, _round_to_bf16(h), 0.0)
+    h = jnp.where(loaded, _round_to_bf16(h), 0.0)
     _store_scaled(rows_ref, factor_ref, r, h, pos, stored)
 
 
@@ -210,12 +210,12 @@ def plan_x_rows(x: jax.Array, expert_ids: jax.Array, num_experts: int, rows: int
     plan = (_plan_kernel if p <= PALLAS_PLAN_MAX_PAIRS else
             functools.partial(_radix_plan_kernel, barrier=not interpret))
     kernel = functools.partial(_plan_x_rows_kernel, block_k=block_k, plan=plan)
+    width = row_width(x.shape[1], block_k)
     return _plan_call(
         kernel, expert_ids, num_experts, name="moe_decode_plan_x_rows",
-        num_warps=row_warps(row_width(x.shape[1], block_k)), interpret=interpret,
-        item_rows=item_rows,
+        num_warps=row_warps(width), interpret=interpret, item_rows=item_rows,
         inputs=(x,),
-        outputs=(jax.ShapeDtypeStruct((rows, row_width(x.shape[1], block_k)), jnp.float16),
+        outputs=(jax.ShapeDtypeStruct((rows, width), jnp.float16),
                  jax.ShapeDtypeStruct((rows,), jnp.float32)),
         grid=(rows + 1,))
 
