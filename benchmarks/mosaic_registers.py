@@ -20,9 +20,11 @@ dumps each kernel's PTX, assembles it with ``ptxas -arch=sm_90a`` and disassembl
 lists its loops (the bodies of backward branches) of 20 instructions or more: their length
 and most frequent opcodes, e.g. the FP4 K-step loop's conversion against its fixed costs.
 
-Cases: ``{qwen3,gptoss,deepseek}-{fp8,nvfp4,mxfp4}`` (Qwen3-30B-A3B, gpt-oss-120b,
-DeepSeek-V3; 64 pairs); each row of the table is the one-launch kernel (``slot_mlp``) and the
-two ``slot_matmul`` kernels.
+Cases: ``ARCH-{fp8,nvfp4,mxfp4}``, ARCH the routed experts of each supported model type
+(``_ARCHS``: qwen3, gptoss, deepseek, qwen2, mixtral, qwen3next, longcat, minimax, deepseekv4,
+gemma4; 64 pairs), or ``all``; each row of the table is the one-launch kernel (``slot_mlp``)
+and the two ``slot_matmul`` kernels: ptxas's registers a thread, its spill stores if any, or
+the error that stopped the compile.
 ``--set NAME=VALUE`` sets a ``pallas_kernels.moe_decode.mosaic`` constant first.
 """
 
@@ -63,17 +65,20 @@ CUresult cuGetErrorName(CUresult e, const char** s) { *s = "STAND_IN"; return 0;
 CUresult cuModuleLoadData(void** m, const void* i) { return 999; }
 """
 
-CASES = {  # (format, H, I, gate_up kwargs of slot_mlp)
-    "qwen3-fp8": ("fp8", 2048, 768, {}),
-    "qwen3-nvfp4": ("nvfp4", 2048, 768, {}),
-    "qwen3-mxfp4": ("mxfp4", 2048, 768, {}),
-    "gptoss-fp8": ("fp8", 2880, 2880, dict(activation="gpt_oss", layout="interleaved")),
-    "gptoss-nvfp4": ("nvfp4", 2880, 2880, dict(activation="gpt_oss", layout="interleaved")),
-    "gptoss-mxfp4": ("mxfp4", 2880, 2880, dict(activation="gpt_oss", layout="interleaved")),
-    "deepseek-fp8": ("fp8", 7168, 2048, {}),
-    "deepseek-nvfp4": ("nvfp4", 7168, 2048, {}),
-    "deepseek-mxfp4": ("mxfp4", 7168, 2048, {}),
+_ARCHS = {  # the routed experts of each supported model type: (H, I, gate_up kwargs of slot_mlp)
+    "qwen3": (2048, 768, {}),  # Qwen3-30B-A3B
+    "gptoss": (2880, 2880, dict(activation="gpt_oss", layout="interleaved", limit=7.0)),
+    "deepseek": (7168, 2048, {}),  # DeepSeek-V3
+    "qwen2": (2048, 1408, {}),  # Qwen1.5-MoE-A2.7B
+    "mixtral": (4096, 14336, {}),  # Mixtral-8x7B
+    "qwen3next": (2048, 512, {}),  # Qwen3-Next-80B-A3B
+    "longcat": (6144, 2048, {}),  # LongCat-Flash
+    "minimax": (3072, 1536, {}),  # MiniMax-M2
+    "deepseekv4": (4096, 2048, dict(activation="silu", limit=10.0)),  # DeepSeek-V4-Flash
+    "gemma4": (2816, 704, dict(activation="gelu_tanh")),  # Gemma-4-26B-A4B
 }
+CASES = {f"{arch}-{fmt}": (fmt, *shape) for arch, shape in _ARCHS.items()
+         for fmt in ("fp8", "nvfp4", "mxfp4")}  # (format, H, I, gate_up kwargs)
 KERNELS = ("slot_mlp", "gate_up", "down")
 
 
@@ -121,9 +126,8 @@ def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str],
         name, value = item.split("=", 1)
         setattr(mosaic, name, ast.literal_eval(value))
     fmt, h, inter, variant = CASES[case]
-    if "activation" in variant:
-        variant = dict(variant, activation=Activation(variant["activation"]),
-                       layout=GateUpLayout(variant["layout"]), limit=7.0)
+    variant = dict(variant, activation=Activation(variant.get("activation", "silu")),
+                   layout=GateUpLayout(variant.get("layout", "concatenated")))
     e, p = 128, 64
     packed = 1 if fmt == "fp8" else 2
     w_dtype = jnp.float8_e4m3fn if fmt == "fp8" else jnp.uint8
@@ -160,11 +164,11 @@ def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str],
         width = row_width(k, tiles[i].block_k if packed == 2 else None)  # a ragged K padded
         a = spec((rows, width), jnp.float16)
         source = None
-        if i == 1 and mosaic.DOWN_MAKES_H_TOKENS and mosaic.own_h_takes(fmt, inter, tiles[1]):
-            #   the down kernel making its own h from gate_up's output
+        if i == 1 and item_rows <= 8 and mosaic.down_makes_h(mosaic.DOWN_MAKES_H_TOKENS, fmt,
+                                                             inter, tiles[1], 1):
+            #   the down kernel making its own h from gate_up's output (1-7 tokens)
             a = spec((rows, 2 * inter), jnp.float32)
-            source = mosaic.HSource(1, variant.get("activation", Activation.SILU),
-                                    variant.get("layout", GateUpLayout.CONCATENATED),
+            source = mosaic.HSource(1, variant["activation"], variant["layout"],
                                     variant.get("limit"), mosaic.GPT_OSS_ALPHA)
 
         def f(work, a, factor, w, scale, global_scale=None):
@@ -199,10 +203,14 @@ def _disassemble(dump: Path, cuda_root: Path, nvdisasm: Path) -> tuple[str, list
 
 
 def _registers(text: str) -> str:
-    """ptxas's ``Used N registers`` from its report, or the report's last line as an error."""
+    """ptxas's ``Used N registers`` from its report (with its spill stores where there are
+    any), or the report's last line as an error."""
     used = [ln for ln in text.splitlines() if "Used" in ln and "registers" in ln]
-    return (used[0].split("Used")[1].split("registers")[0].strip() if used
-            else "error: " + text.strip().splitlines()[-1][:80])
+    if not used:
+        return "error: " + (text.strip().splitlines() or ["no output"])[-1][:80]
+    count = used[0].split("Used")[1].split("registers")[0].strip()
+    spills = re.search(r"(\d+) bytes spill stores", text)
+    return count + (f" (spills {spills.group(1)} B)" if spills and spills.group(1) != "0" else "")
 
 
 def main() -> None:
@@ -211,7 +219,7 @@ def main() -> None:
     parser.add_argument("--plugins", type=Path, required=True,
                         help="the unpacked jax-cuda13-pjrt and jax-cuda13-plugin wheels")
     parser.add_argument("--cuda-root", type=Path, default=Path("/usr/local/cuda"))
-    parser.add_argument("--case", nargs="+", choices=list(CASES), default=["qwen3-fp8"])
+    parser.add_argument("--case", nargs="+", choices=[*CASES, "all"], default=["qwen3-fp8"])
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE")
     parser.add_argument("--rows", type=int, default=16,
                         help="the work items' rows (SlotTile.rows: windows of 8 rows for 1 and 8, "
@@ -240,7 +248,7 @@ def main() -> None:
         print("| case | " + " | ".join(f"{k} registers" for k in KERNELS) + " |")
         print("|---" * (len(KERNELS) + 1) + "|")
         loops = []
-        for case in args.case:
+        for case in list(CASES) if "all" in args.case else args.case:
             counts = []
             for kernel in KERNELS:
                 dump, extra = Path(tmp) / f"{case}-{kernel}", {}

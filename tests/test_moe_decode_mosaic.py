@@ -775,6 +775,43 @@ def test_down_makes_h_up_to_its_tokens(monkeypatch):
         assert_pairs_close(out, ref, ids, E)
 
 
+@pytest.mark.parametrize("name,fmt,t,h,inter,e,k,takes", [
+    ("qwen3", "nvfp4", 3, 2048, 768, 128, 8, True),  # 12 KB
+    ("gpt-oss", "mxfp4", 1, 2880, 2880, 32, 4, True),  # K over 3 programs: 15 KB
+    ("gpt-oss", "fp8", 1, 2880, 2880, 32, 4, False),  # 46 KB
+    ("mixtral", "fp8", 4, 4096, 14336, 8, 2, False),  # 224 KB: past the SMEM of a CTA
+    ("mixtral", "nvfp4", 7, 4096, 14336, 8, 2, False),
+    ("qwen3", "fp8", 8, 2048, 768, 128, 8, False),  # past DOWN_MAKES_H_TOKENS
+])
+def test_down_makes_h_within_its_tile_bytes(name, fmt, t, h, inter, e, k, takes):
+    """The decode step's rule for the down programs' own h at model shapes, with the step's
+    own item rows and K splits: only h tiles of at most ``H_TILE_MAX_BYTES`` (Mixtral's would
+    not fit a CTA's SMEM)."""
+    tile = choose_slot_tile(inter, fmt=fmt, rows=choose_item_rows(t, fmt))
+    splits = choose_k_splits(min(e, t * k), h, inter, tile)
+    assert mosaic.down_makes_h(t, fmt, inter, tile, splits) is takes
+
+
+def test_down_makes_h_falls_back_past_its_tile_bytes(monkeypatch):
+    """An h tile one byte past ``H_TILE_MAX_BYTES`` takes the h launch, one at the bound the
+    down programs' own h; both equal the reference."""
+    kw = arrays(NVFP4)
+    x, ids = x_rows(3), routing("random", 3, 2, seed=2)
+    tile = SlotTile(block_k=64, rows=8)
+    tile_bytes = 128 * window(8) * 2  # I = 128 in one program
+    calls = []
+    real_h_rows = mosaic.h_rows
+    monkeypatch.setattr(mosaic, "h_rows", lambda *a, **k: calls.append(1) or real_h_rows(*a, **k))
+    ref = moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw)
+    for limit, h_launch in ((tile_bytes - 1, True), (tile_bytes, False)):
+        calls.clear()
+        with mosaic_constants(monkeypatch, H_TILE_MAX_BYTES=limit):
+            out = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=False, k_splits=(1, 1),
+                                          tile=(tile, tile), **kw)
+        assert bool(calls) == h_launch, limit
+        assert_pairs_close(out, ref, ids, E)
+
+
 BLOCKED_CASES = [  # (T, k, format, routing patterns, fused)
     (33, 2, FP8, ("one_expert", "random"), False),  # 33 rows on one expert: five blocks
     (12, 2, NVFP4, ("repeated", "zero_experts"), True),

@@ -351,6 +351,14 @@ def _kernel(
 # step against the h launch's ~3 MB); up to this many tokens (the range below the one launch,
 # where it was timed; 0: never).
 DOWN_MAKES_H_TOKENS = 7
+# ... where its h tile (f16 ``[window, K / k_splits]`` in SMEM, beside the pipeline's stages) is
+# at most this many bytes, else the h launch. The timed tiles (session 33): Qwen3 6-12 KB,
+# gpt-oss MXFP4 at 1 token 15 KB (K over 3 programs). Larger ones cost CTAs an SM (SMEM), and
+# Mixtral's I of 14336 at 4-7 tokens (one program over K) needs 224 KB: with the stages past
+# the H200's 227 KB a CTA, so that kernel did not compile (offline ``mosaic_registers.py --case
+# all``, session 35). Not timed between 16 and 46 KB (DeepSeek-V3, LongCat, MiniMax-M2, Qwen2,
+# gpt-oss FP8 and 2-7 tokens: the h launch as before session 33).
+H_TILE_MAX_BYTES = 16 * 1024
 # ... its h chunks kept in registers up to this many a thread (else recomputed, rolled): the
 # down kernel's registers are the largest of its h part's and its K loop's. Offline ptxas,
 # gpt-oss MXFP4 down at windows of 8, one K split (12 chunks a thread): kept 176 registers,
@@ -1222,6 +1230,15 @@ def own_h_takes(fmt: str, k: int, tile: SlotTile) -> bool:
     """Whether a down launch of K (``tile``'s steps) can make its own h (``h_source``): K a
     multiple of the step, or FP4's ragged steps of 256 (h zero past K)."""
     return k % tile.block_k == 0 or _fp4_ragged(fmt, k, tile.block_k)
+
+
+def down_makes_h(tokens: int, fmt: str, k: int, tile: SlotTile, k_splits: int) -> bool:
+    """Whether the decode step's down launch of K (``tile``, K over ``k_splits`` programs) at
+    ``tokens`` tokens makes its own h: f16 activations, up to ``DOWN_MAKES_H_TOKENS``, where it
+    can (``own_h_takes``) and its h tile is at most ``H_TILE_MAX_BYTES``."""
+    tile_bytes = num_k_steps(k, tile) // k_splits * tile.block_k * tile.window * 2
+    return (activation_dtype(fmt) == jnp.float16 and tokens <= DOWN_MAKES_H_TOKENS
+            and own_h_takes(fmt, k, tile) and tile_bytes <= H_TILE_MAX_BYTES)
 
 
 def activation_dtype(fmt: str) -> jnp.dtype:
@@ -2255,8 +2272,7 @@ def moe_decode_mosaic_pairs(
             return (pairs, stamps) if timeline else pairs
         gu = launch(a, factor, gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, xs,
                     tile[0], k_splits[0])  # [S * R, 2I]
-        own_h = x.shape[0] <= DOWN_MAKES_H_TOKENS and own_h_takes(fmt, inter, tile[1])
-        if own_h:  # each down program its own h
+        if down_makes_h(x.shape[0], fmt, inter, tile[1], k_splits[1]):  # each its own h
             y = slot_matmul(work, gu, down, down_scale, xd, down_global_scale, bias=down_bias,
                             fmt=fmt, fp8_block=fp8_block, tile=tile[1], k_splits=k_splits[1],
                             sum_splits=False, interpret=interpret, h_source=HSource(
