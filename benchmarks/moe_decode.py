@@ -74,8 +74,14 @@ SHAPES = {  # name: (H, I, E, k, router / activation of the model)
 # A one-expert layer every token selects: DeepSeek-V3's shared expert as the decode kernels run
 # it (moe.experts.shared_experts), for --sweep
 SWEEP_ONLY = {"deepseek-v3-shared": (7168, 2048, 1, 1, dict())}
+# Other models' routed experts, by name only (not in the default table): a down K that 256 does
+# not divide (FP4 steps of 64 / 128 by default, or FP4_RAGGED_STEP's 256); their routers'
+# particulars (Gemma-4's norm and per-expert scale) left out
+OTHER_SHAPES = {"gemma-4-26b-a4b": (2816, 704, 128, 8, dict(activation="gelu_tanh")),
+                "qwen1.5-moe-a2.7b": (2048, 1408, 60, 4, dict(norm_topk_prob=False))}
 TINY = {"tiny": (64, 64, 8, 2, dict(shared_intermediate_size=64)),
         "tiny-gpt-oss": (64, 32, 8, 2, SHAPES["gpt-oss-120b"][4])}
+ALL_SHAPES = SHAPES | SWEEP_ONLY | OTHER_SHAPES | TINY
 FORMATS = {"bf16": Format.BF16, "fp8": Format.FP8_BLOCK, "nvfp4": Format.NVFP4,
            "mxfp4": Format.MXFP4, "fp8_w8a8": Format.FP8_BLOCK}
 # Formats whose layers also quantize the activations (MoEConfig's act_quant fields): W8A8
@@ -111,7 +117,7 @@ def make_weight(key, g: int, n: int, k: int, fmt: Format, chunk: int = 16) -> QT
 def make_layer(shape: str, fmt: Format | str, seed: int = 0) -> MoEParams:
     """The layer of ``shape`` in ``fmt`` (a Format, or a ``FORMATS`` name: ``fp8_w8a8`` adds
     the W8A8 activation quantization)."""
-    h, i, e, k, extra = (SHAPES | SWEEP_ONLY | TINY)[shape]
+    h, i, e, k, extra = ALL_SHAPES[shape]
     quant = ACT_QUANT.get(fmt, {}) if isinstance(fmt, str) else {}
     fmt = FORMATS[fmt] if isinstance(fmt, str) else fmt
     cfg = MoEConfig(hidden_size=h, intermediate_size=i, num_experts=e, top_k=k,
@@ -343,7 +349,7 @@ def bench_shared(shapes, formats, token_counts, *, hbm: float, loops: int) -> li
     step = functools.partial(aj.moe_forward, kernels=PALLAS)
     rows = []
     for shape in shapes:
-        if not (SHAPES | SWEEP_ONLY | TINY)[shape][4].get("shared_intermediate_size"):
+        if not ALL_SHAPES[shape][4].get("shared_intermediate_size"):
             continue
         for name in formats:
             p = make_layer(shape, name)
@@ -491,8 +497,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true",
                         help="tiny shapes, interpret mode off GPU (a smoke test of the script)")
     parser.add_argument("--quick", action="store_true", help="1, 8, 64 tokens; bf16, nvfp4")
-    parser.add_argument("--shapes", nargs="+",
-                        choices=list(SHAPES) + list(SWEEP_ONLY) + list(TINY))
+    parser.add_argument("--shapes", nargs="+", choices=list(ALL_SHAPES))
     parser.add_argument("--formats", nargs="+", choices=list(FORMATS))
     parser.add_argument("--tokens", nargs="+", type=int)
     parser.add_argument("--no-peers", action="store_true", help="time the Pallas path only")

@@ -126,7 +126,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true",
                         help="the tiny shape, interpret mode off GPU (a smoke test)")
-    parser.add_argument("--shape", choices=list(md.SHAPES) + list(md.TINY))
+    parser.add_argument("--shape", choices=list(md.ALL_SHAPES))
     parser.add_argument("--formats", nargs="+", choices=list(md.FORMATS))
     parser.add_argument("--tokens", nargs="+", type=int)
     parser.add_argument("--arms", nargs="+", default=None, metavar="ARM",
