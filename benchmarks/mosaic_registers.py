@@ -1,7 +1,8 @@
-"""ptxas's register count of the Mosaic GPU decode kernels for sm_90a, on a machine without a
-GPU: the kernel is lowered by ``jax.export`` for CUDA, then compiled to PTX and through ptxas
-by jax's CUDA PJRT plugin (``MosaicGpuCompile``), with a stand-in ``libcuda.so.1`` that reports
-an sm_90 device and refuses to load the result (the count is printed before that).
+"""ptxas's register count of the Mosaic GPU kernels (MoE decode by default) for sm_90a, on a
+machine without a GPU, or the error that stops their compile (SMEM past a CTA's, ...): the
+kernel is lowered for CUDA, then compiled to PTX and through ptxas by jax's CUDA PJRT plugin
+(``MosaicGpuCompile``), with a stand-in ``libcuda.so.1`` that reports an sm_90 device and
+refuses to load the result (the count is printed before that).
 
 Registers set a kernel's CTAs an SM on the H200 (65536 a SM, 128 threads a CTA: <= 102 for 5,
 the most the decode kernels' ~43 KB of SMEM allow), which device time is too scarce to sweep.
@@ -12,8 +13,8 @@ wheels ``jax-cuda13-pjrt==0.11.2`` and ``jax-cuda13-plugin==0.11.2`` unpacked in
 ``--plugins`` (``pip download --no-deps -d W jax-cuda13-pjrt==0.11.2 jax-cuda13-plugin==0.11.2``
 then ``unzip`` each into one directory); nothing is installed.
 
-    python benchmarks/mosaic_registers.py --plugins DIR [--case qwen3-fp8 ...]
-        [--set H_PROGRAM_ROWS=1 ...] [--rows 8] [--sass NVDISASM]
+    python benchmarks/mosaic_registers.py --plugins DIR [--family moe-decode] [--case qwen3-fp8
+        ... | all] [--set H_PROGRAM_ROWS=1 ...] [--rows 8] [--sass NVDISASM]
 
 ``--sass`` (the path of an ``nvdisasm``, e.g. from the ``nvidia-cuda-nvdisasm`` wheel) also
 dumps each kernel's PTX, assembles it with ``ptxas -arch=sm_90a`` and disassembles it, and
@@ -26,6 +27,11 @@ gemma4; 64 pairs), or ``all``; each row of the table is the one-launch kernel (`
 and the two ``slot_matmul`` kernels: ptxas's registers a thread, its spill stores if any, or
 the error that stopped the compile.
 ``--set NAME=VALUE`` sets a ``pallas_kernels.moe_decode.mosaic`` constant first.
+
+``--family paged-decode``: the FP8 paged-attention decode kernel (``paged_attention.mosaic``)
+at ``q{Q}-g{G}`` (Q query tokens, G query heads a KV head: R = Q x G rows, at most 64);
+``--family grouped-matmul``: the BF16 prefill grouped matmul (``grouped_matmul.mosaic``) on
+each architecture's experts (``_ARCHS``, fused gate_up and down, 4096 rows).
 """
 
 from __future__ import annotations
@@ -80,6 +86,13 @@ _ARCHS = {  # the routed experts of each supported model type: (H, I, gate_up kw
 CASES = {f"{arch}-{fmt}": (fmt, *shape) for arch, shape in _ARCHS.items()
          for fmt in ("fp8", "nvfp4", "mxfp4")}  # (format, H, I, gate_up kwargs)
 KERNELS = ("slot_mlp", "gate_up", "down")
+PAGED_CASES = {f"q{q}-g{g}": (q, g) for q in (1, 2, 3, 4) for g in (1, 4, 6, 8, 16)
+               if q * g <= 64}  # G: Qwen1.5-MoE 1, Mixtral 4, MiniMax-M2 6, Qwen3 8, 235B 16
+FAMILIES = {  # family: (cases, kernels)
+    "moe-decode": (CASES, KERNELS),
+    "paged-decode": (PAGED_CASES, ("paged_decode",)),
+    "grouped-matmul": (_ARCHS, ("gate_up", "down")),
+}
 
 
 def sass_loops(sass: str, min_length: int = 20) -> list[tuple[str, int, list[tuple[str, int]]]]:
@@ -108,14 +121,86 @@ def sass_loops(sass: str, min_length: int = 20) -> list[tuple[str, int, list[tup
     return loops
 
 
-def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str],
+def _compile_one(family: str, case: str, kernel: str, plugins: Path, sets: list[str],
                  item_rows: int) -> None:
-    """In a child process: lower ``kernel`` of ``case`` and hand it to ``MosaicGpuCompile``,
-    which prints ptxas's report (``MOSAIC_GPU_DUMP_PTXAS``)."""
+    """In a child process: lower ``kernel`` of ``case`` and hand its Mosaic GPU modules to
+    ``MosaicGpuCompile``, which prints ptxas's report (``MOSAIC_GPU_DUMP_PTXAS``)."""
+    import jax
+    from jax._src import mesh as mesh_lib
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+
+    mgpu_core.KNOWN_KERNELS.clear()
+    if family == "moe-decode":
+        _lower_moe_decode(case, kernel, sets, item_rows)
+    else:  # their heuristics ask the device: an abstract H200
+        dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+        with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((1,), ("x",),
+                                                                  abstract_device=dev)):
+            f, args = (_paged_decode(*PAGED_CASES[case]) if family == "paged-decode"
+                       else _grouped_matmul(*_ARCHS[case], kernel))
+            jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    lib = ctypes.CDLL(str(plugins / "jax_plugins" / "xla_cuda13" / "xla_cuda_plugin.so"))
+    compile_ = lib.MosaicGpuCompile
+    compile_.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    compile_.restype = ctypes.POINTER(ctypes.c_void_p)
+    for module in mgpu_core.KNOWN_KERNELS.values():  # each fails at the load: expected
+        compile_(ctypes.c_char_p(module), ctypes.c_int(len(module)))
+
+
+def _paged_decode(q_len: int, group: int, kv_heads: int = 4, pages: int = 64, page: int = 16):
+    """``paged_decode_mosaic`` at Q x G query rows (two sequences, sinks, two splits)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.paged_attention import paged_decode_mosaic
+
+    sd = jax.ShapeDtypeStruct
+    kv = sd((pages, page, kv_heads, 128), jnp.float8_e4m3fn)
+    scale = sd((pages, page, kv_heads), jnp.float32)
+
+    def f(q, k, v, table, lens, k_scale, v_scale, sinks):
+        return paged_decode_mosaic(q, k, v, table, lens, k_scale=k_scale, v_scale=v_scale,
+                                   scale=0.1, sinks=sinks, num_splits=2)
+
+    return f, (sd((2, q_len, kv_heads * group, 128), jnp.bfloat16), kv, kv,
+               sd((2, 16), jnp.int32), sd((2,), jnp.int32), scale, scale,
+               sd((kv_heads * group,), jnp.float32))
+
+
+def _grouped_matmul(h: int, inter: int, variant: dict, kernel: str, rows: int = 4096,
+                    experts: int = 128):
+    """``grouped_matmul_mosaic`` on an architecture's experts: gate_up with its activation
+    fused, or down."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.grouped_matmul import grouped_matmul_mosaic, mosaic_unsupported_reason
+
+    sd = jax.ShapeDtypeStruct
+    n, k, kw = h, inter, {}
+    if kernel == "gate_up":
+        n, k = 2 * inter, h
+        kw = dict(activation=variant.get("activation", "silu"),
+                  gate_up_layout=variant.get("layout", "concatenated"))
+    reason = mosaic_unsupported_reason(
+        jnp.bfloat16, jnp.bfloat16, n // (2 if kw else 1), k, fused_gate_up=bool(kw),
+        gate_up_layout=kw.get("gate_up_layout", "concatenated"), out_dtype=jnp.float32,
+        bias=False)
+    if reason:  # the Triton kernel's (ops.grouped_matmul)
+        sys.exit(f"unsupported ({reason[:60]})")
+
+    def f(x, w, group_sizes):
+        return grouped_matmul_mosaic(x, w, group_sizes, out_dtype=jnp.float32, **kw)
+
+    return f, (sd((rows, k), jnp.bfloat16), sd((experts, n, k), jnp.bfloat16),
+               sd((experts,), jnp.int32))
+
+
+def _lower_moe_decode(case: str, kernel: str, sets: list[str], item_rows: int) -> None:
+    """Lower ``kernel`` of the MoE decode ``case`` for CUDA (``jax.export``)."""
     import jax
     import jax.numpy as jnp
     from jax import export
-    from jax.experimental.mosaic.gpu import core as mgpu_core
 
     from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout
     from pallas_kernels.moe_decode import mosaic
@@ -176,15 +261,8 @@ def _compile_one(case: str, kernel: str, plugins: Path, sets: list[str],
                                       row_factor=None if source else factor, fmt=fmt,
                                       fp8_block=fp8_block, tile=tiles[i], h_source=source)
 
-    mgpu_core.KNOWN_KERNELS.clear()
     export.export(jax.jit(f), platforms=["cuda"])(
         work, a, spec((rows,), jnp.float32), *arrays)
-    (module,) = mgpu_core.KNOWN_KERNELS.values()
-    lib = ctypes.CDLL(str(plugins / "jax_plugins" / "xla_cuda13" / "xla_cuda_plugin.so"))
-    compile_ = lib.MosaicGpuCompile
-    compile_.argtypes = [ctypes.c_char_p, ctypes.c_int]
-    compile_.restype = ctypes.POINTER(ctypes.c_void_p)
-    compile_(ctypes.c_char_p(module), ctypes.c_int(len(module)))  # fails at the load: expected
 
 
 def _disassemble(dump: Path, cuda_root: Path, nvdisasm: Path) -> tuple[str, list]:
@@ -219,7 +297,9 @@ def main() -> None:
     parser.add_argument("--plugins", type=Path, required=True,
                         help="the unpacked jax-cuda13-pjrt and jax-cuda13-plugin wheels")
     parser.add_argument("--cuda-root", type=Path, default=Path("/usr/local/cuda"))
-    parser.add_argument("--case", nargs="+", choices=[*CASES, "all"], default=["qwen3-fp8"])
+    parser.add_argument("--family", choices=list(FAMILIES), default="moe-decode")
+    parser.add_argument("--case", nargs="+", default=["qwen3-fp8"],
+                        help="cases of the family (see the docstring), or all")
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE")
     parser.add_argument("--rows", type=int, default=16,
                         help="the work items' rows (SlotTile.rows: windows of 8 rows for 1 and 8, "
@@ -230,8 +310,13 @@ def main() -> None:
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # (case, kernel): the child
     args = parser.parse_args()
     if args.one:
-        _compile_one(*args.one, args.plugins, args.set, args.rows)
+        _compile_one(args.family, *args.one, args.plugins, args.set, args.rows)
         return
+    cases, kernels = FAMILIES[args.family]
+    chosen = list(cases) if "all" in args.case else args.case
+    if unknown := [c for c in chosen if c not in cases]:
+        sys.exit(f"--case {' '.join(unknown)}: not a {args.family} case; its cases: "
+                 f"{', '.join(cases)}, all")
     if not (args.plugins / "jax_plugins" / "xla_cuda13" / "xla_cuda_plugin.so").exists():
         sys.exit(f"--plugins {args.plugins}: no jax_plugins/xla_cuda13/xla_cuda_plugin.so (see "
                  f"the docstring: pip download, unzip)")
@@ -245,19 +330,20 @@ def main() -> None:
                    MOSAIC_GPU_RUNTIME_LIB_PATH=str(args.plugins / "jax_cuda13_plugin"
                                                    / "libmosaic_gpu_runtime.so"))
         print(f"settings: {' '.join(args.set) or '(the code)'}, items of {args.rows} rows\n")
-        print("| case | " + " | ".join(f"{k} registers" for k in KERNELS) + " |")
-        print("|---" * (len(KERNELS) + 1) + "|")
+        print("| case | " + " | ".join(f"{k} registers" for k in kernels) + " |")
+        print("|---" * (len(kernels) + 1) + "|")
         loops = []
-        for case in list(CASES) if "all" in args.case else args.case:
+        for case in chosen:
             counts = []
-            for kernel in KERNELS:
+            for kernel in kernels:
                 dump, extra = Path(tmp) / f"{case}-{kernel}", {}
                 if args.sass:
                     dump.mkdir()
                     extra = dict(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=str(dump))
                 out = subprocess.run(
-                    [sys.executable, __file__, "--plugins", str(args.plugins), "--one", case,
-                     kernel, "--rows", str(args.rows), "--set", *args.set], env=env | extra,
+                    [sys.executable, __file__, "--plugins", str(args.plugins), "--family",
+                     args.family, "--one", case, kernel, "--rows", str(args.rows), "--set",
+                     *args.set], env=env | extra,
                     capture_output=True, text=True)
                 if args.sass:
                     registers, found = _disassemble(dump, args.cuda_root, args.sass)
