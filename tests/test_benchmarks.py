@@ -225,6 +225,24 @@ def test_sass_loops_finds_backward_branches():
         (".L_x_9", 2, [("SYNCS", 1), ("BRA", 1)])]
 
 
+
+def test_mosaic_registers_reads_ptxas_reports():
+    """``mosaic_registers._registers``: the count, its spill stores where there are any, or
+    the last line of a failed compile; every case family names only cases it can build."""
+    from benchmarks.mosaic_registers import _ARCHS, CASES, FAMILIES, PAGED_CASES, _registers
+
+    report = ("ptxas info    : Function properties for k\n"
+              "    {0} bytes stack frame, {0} bytes spill stores, {0} bytes spill loads\n"
+              "ptxas info    : Used {1} registers, used 1 barriers")
+    assert _registers(report.format(0, 72)) == "72"
+    assert _registers(report.format(572, 255)) == "255 (spills 572 B)"
+    assert _registers("Traceback\nValueError: Mosaic GPU kernel exceeds available shared "
+                      "memory") == ("error: ValueError: Mosaic GPU kernel exceeds available "
+                                    "shared memory")
+    assert _registers("") == "error: no output"
+    assert len(CASES) == 3 * len(_ARCHS) and FAMILIES["grouped-matmul"][0] is _ARCHS
+    assert all(q * g <= 64 for q, g in PAGED_CASES.values())
+
 def test_arms_benchmark_times_each_arm_in_turn():
     """The A/B script (interpret mode off GPU): a row a (round, arm) in turn, each a step
     time, the first round's outputs checked against the XLA decode path, the code's constants
