@@ -133,10 +133,11 @@ def kernel_kwargs(cache: dict, dtype: str, d: int) -> dict:
     return kw
 
 
-def queries(key, b: int, hq: int, d: int, n: int = NUM_Q) -> list[jax.Array]:
-    """``n`` different random query sets [B, 1, Hq, D] bf16 (one decode step each)."""
-    return [jax.random.normal(jax.random.fold_in(key, 100 + i), (b, 1, hq, d), jnp.bfloat16)
-            for i in range(n)]
+def queries(key, b: int, hq: int, d: int, n: int = NUM_Q, q_len: int = 1) -> list[jax.Array]:
+    """``n`` different random query sets [B, Q, Hq, D] bf16 (one decode step each; Q > 1: an
+    MTP verify step's tokens)."""
+    return [jax.random.normal(jax.random.fold_in(key, 100 + i), (b, q_len, hq, d),
+                              jnp.bfloat16) for i in range(n)]
 
 
 # ---- the timed steps: step(consts, q), consts = the cache dict (arrays only) ----------------

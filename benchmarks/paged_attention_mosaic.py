@@ -8,7 +8,11 @@ a few query sets inside one jitted scan, the cache as constants) plus the GPU bu
 kernel's (tokens/s ratio). ``frac`` = KV bytes (with the scales) / time / HBM bandwidth.
 First each case's Mosaic output is compared with the XLA reference on this GPU (``err``).
 
-    python benchmarks/paged_attention_mosaic.py [--cases B,CTX,HQ,HK ...] [--sweep] [--out f.md]
+    python benchmarks/paged_attention_mosaic.py [--cases B,CTX,HQ,HK[,Q] ...] [--sweep]
+        [--out f.md]
+
+``Q`` (default 1): query tokens a sequence (MTP verify steps); the Mosaic kernel's query rows
+a program are ``Q * HQ / HK`` (at most 64).
 """
 
 from __future__ import annotations
@@ -56,9 +60,10 @@ def timed(step, cache, xs):
 
 def bench(cases, hbm: float) -> list[dict]:
     rows = []
-    for b, ctx, hq, hk in cases:
-        row = dict(B=b, ctx=ctx, heads=f"{hq}/{hk}")
-        xs = queries(jax.random.key(1), b, hq, D)
+    for b, ctx, hq, hk, *q_len in cases:
+        q_len = q_len[0] if q_len else 1
+        row = dict(B=b, ctx=ctx, heads=f"{hq}/{hk}", Q=q_len)
+        xs = queries(jax.random.key(1), b, hq, D, q_len=q_len)
         for dtype, name, step in (("bf16", "bf16_triton", ours_step("bf16", D)),
                                   ("fp8", "fp8_triton", ours_step("fp8", D)),
                                   ("fp8", "fp8_mosaic", mosaic_step())):
@@ -111,7 +116,7 @@ def sweep(case, stage_counts, split_counts, hbm: float) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", help="B,CTX,HQ,HK each")
+    parser.add_argument("--cases", nargs="+", help="B,CTX,HQ,HK[,Q] each")
     parser.add_argument("--sweep", action="store_true",
                         help="also time Mosaic stages x splits (SWEEP: B 32 16k, B 1 32k)")
     parser.add_argument("--out", type=Path)
