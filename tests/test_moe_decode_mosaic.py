@@ -583,6 +583,32 @@ def test_fp4_activation_order(block_k):
     np.testing.assert_array_equal(np.asarray(_natural_order(permuted, tile)), np.asarray(a))
 
 
+@pytest.mark.parametrize("fmt,most", [("nvfp4", 1170), ("mxfp4", 2340)])
+def test_fp4_scale_tables_past_i32_offsets_refused(fmt, most):
+    """The FP4 scale loads take i32 byte offsets: a stack of DeepSeek-V3-sized gate_up experts
+    ([4096, 7168]) is refused past the last count whose scale table stays below 2^31 bytes
+    (``jax.eval_shape``: nothing allocated)."""
+    tile = SlotTile(block_k=256)
+    kw = dict(global_rows=4096, tile=tile) if fmt == "nvfp4" else dict(tile=tile)
+    assert mosaic.unsupported_reason(fmt, jnp.uint8, 4096, 7168, experts=most, **kw) is None
+    assert "below 2^31" in mosaic.unsupported_reason(fmt, jnp.uint8, 4096, 7168,
+                                                     experts=most + 1, **kw)
+    group = 16 if fmt == "nvfp4" else 32
+    sd = jax.ShapeDtypeStruct
+    args = [sd((3, 8), jnp.int32), sd((window_rows(4), 7168), jnp.float16),
+            sd((most + 1, 4096, 3584), jnp.uint8),
+            sd((most + 1, 4096, 7168 // group),
+               jnp.float8_e4m3fn if fmt == "nvfp4" else jnp.uint8)]
+    if fmt == "nvfp4":  # with its global scales
+        args.append(sd((most + 1, 1), jnp.float32))
+
+    def f(work, a, w, scale, global_scale=None):
+        return slot_matmul(work, a, w, scale, None, global_scale, fmt=fmt, tile=tile)
+
+    with pytest.raises(NotImplementedError, match="below 2"):
+        jax.eval_shape(f, *args)
+
+
 def test_slot_matmul_bad_inputs_raise():
     w = jnp.zeros((2, 128, 128), jnp.float8_e4m3fn)
     s = jnp.ones((2, 2, 1), jnp.float32)

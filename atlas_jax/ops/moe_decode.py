@@ -130,7 +130,8 @@ def mosaic_unsupported_reason(x: jax.Array, gate_up: QTensor, down: QTensor,
             rows = n // w.global_scale.reshape(w.shape[0], -1).shape[1]
         reason = slot_reason(fmt, w.data.dtype, n, k,
                              fp8_block=tuple(w.block) if fmt == "fp8" else None,
-                             global_rows=rows, tile=choose_slot_tile(k, fmt=fmt))
+                             global_rows=rows, tile=choose_slot_tile(k, fmt=fmt),
+                             experts=w.shape[0])
         if reason is not None:
             return f"{name}: {reason}"
     return None

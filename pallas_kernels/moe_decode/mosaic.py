@@ -1249,9 +1249,12 @@ def activation_dtype(fmt: str) -> jnp.dtype:
 
 def unsupported_reason(fmt: str, w_dtype, n: int, k: int, *,
                        fp8_block: tuple[int, int] | None = None, global_rows: int | None = None,
-                       tile: SlotTile) -> str | None:
-    """Why ``slot_matmul`` cannot run weights of format ``fmt`` (``FORMATS``) and logical
-    shape ``[N, K]``, or None."""
+                       tile: SlotTile, experts: int = 1) -> str | None:
+    """Why ``slot_matmul`` cannot run a stack of ``experts`` weights of format ``fmt``
+    (``FORMATS``) and logical shape ``[N, K]``, or None."""
+    if fmt in _WIDE_FORMATS and experts * n * (k // _group_size(fmt)) >= 2**31:
+        return (f"scale: {experts} x {n} x {k // _group_size(fmt)} bytes of {fmt} scales; the "
+                "kernels' scale loads take byte offsets below 2^31")
     if fmt not in FORMATS:
         return f"fmt: expected one of {FORMATS}, got {fmt!r}"
     w_dtype = jnp.dtype(w_dtype)
@@ -1295,7 +1298,8 @@ def _stack_operands(w, scale, global_scale, extra, *, fmt, fp8_block, tile: Slot
             raise ValueError("global_scale: NVFP4 needs [E, R] f32 global scales")
         global_rows = n // global_scale.reshape(w.shape[0], -1).shape[1]
     reason = unsupported_reason(fmt, w.dtype, n, k, fp8_block=fp8_block,
-                                global_rows=global_rows, tile=tile)
+                                global_rows=global_rows, tile=tile,
+                                experts=max(w.shape[0], extra[0].shape[0] if extra else 0))
     if reason:
         raise NotImplementedError(reason)
     steps = num_k_steps(k, tile)
