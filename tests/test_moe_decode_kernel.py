@@ -514,7 +514,10 @@ def test_num_items_bounds_every_cut(item_rows):
 @pytest.mark.parametrize("t,k", [(1, 4), (7, 3), (21, 6)])
 def test_radix_plan_cuts_the_same_items_as_the_pairwise_plan(pattern, t, k, item_rows):
     """The radix-sort plan program's work items (any item size) equal the pairwise plan
-    program's, whose own cut is checked against XLA's cut in test_moe_decode_mosaic.py."""
+    program's, whose own cut is checked against XLA's cut in test_moe_decode_mosaic.py.
+    (126 pairs in items of 1 row: 15-20 s each in interpret mode, so three patterns there.)"""
+    if (t, item_rows) == (21, 1) and pattern not in ("random", "one_expert", "zero_experts"):
+        pytest.skip("126 one-row items: the other patterns at 126 pairs run with items of 5-16")
     ids = routing(pattern, t, k)
     radix = _pallas_radix_plan(ids, E, interpret=True, item_rows=item_rows)
     pairwise = _pallas_plan(ids, E, interpret=True, item_rows=item_rows)
