@@ -3,6 +3,7 @@ interpret mode): a check that the scripts run, not a measurement."""
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -242,6 +243,25 @@ def test_mosaic_registers_reads_ptxas_reports():
     assert _registers("") == "error: no output"
     assert len(CASES) == 3 * len(_ARCHS) and FAMILIES["grouped-matmul"][0] is _ARCHS
     assert all(q * g <= 64 for q, g in PAGED_CASES.values())
+
+def test_triton_offline_lowers_every_case():
+    """``triton_offline.lower_all`` (in its own process: it patches jax's lowering): each case
+    of a model's MoE layer and attention lowers for an abstract GB10 and hands over its Triton
+    kernels' TTIR with warps and stages (the compile step needs the triton package: not here)."""
+    code = ("import pickle, sys; from benchmarks.triton_offline import lower_all; "
+            "sys.stdout.buffer.write(pickle.dumps(lower_all('gb10', ['moe', 'attention'], "
+            "['gpt_oss'])))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = pickle.loads(proc.stdout)
+    assert len(cases) == 4 * 4 + 3 * 3  # formats x paths; KV dtypes x (decode 1 / 4, prefill)
+    for case, kernels in cases:
+        assert not isinstance(kernels, str), (case, kernels)
+        assert kernels, case
+        for text, warps, stages in kernels:
+            assert '"tt.func"' in text and warps in (1, 2, 4, 8) and stages >= 1, case
+
 
 def test_arms_benchmark_times_each_arm_in_turn():
     """The A/B script (interpret mode off GPU): a row a (round, arm) in turn, each a step
