@@ -135,7 +135,7 @@ def _moe_cases(models):
                 def f(p, x, ids=None, kernels=kernels):
                     return aj.moe_forward(p, x, token_ids=ids, kernels=kernels)
 
-                yield f"{model} {fmt} {path} {tokens}", f, args
+                yield f"moe {model} {fmt} {path} T={tokens}", f, args
 
 
 def _attention_cases(models):
@@ -179,7 +179,7 @@ def _attention_cases(models):
                     return fn(q, arrays.pop("k_pages"), arrays.pop("v_pages"), tables, lens,
                               kv_dtype=kv, scale=d**-0.5, **arrays, **opts)
 
-                yield (f"{name} {kv.value} {kind} {q_len}", f,
+                yield (f"attention {name} kv {kv.value} {kind} Q={q_len}", f,
                        [sd((b, q_len, hq, d), jnp.bfloat16), sd((b, table), jnp.int32), lens,
                         arrays])
 
