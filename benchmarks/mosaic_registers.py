@@ -182,6 +182,8 @@ def _grouped_matmul(h: int, inter: int, variant: dict, kernel: str, rows: int = 
         n, k = 2 * inter, h
         kw = dict(activation=variant.get("activation", "silu"),
                   gate_up_layout=variant.get("layout", "concatenated"))
+        if "limit" in variant:
+            kw["limit"] = variant["limit"]
     reason = mosaic_unsupported_reason(
         jnp.bfloat16, jnp.bfloat16, n // (2 if kw else 1), k, fused_gate_up=bool(kw),
         gate_up_layout=kw.get("gate_up_layout", "concatenated"), out_dtype=jnp.float32,
