@@ -24,8 +24,9 @@ and most frequent opcodes, e.g. the FP4 K-step loop's conversion against its fix
 Cases: ``ARCH-{fp8,nvfp4,mxfp4}``, ARCH the routed experts of each supported model type
 (``_ARCHS``: qwen3, gptoss, deepseek, qwen2, mixtral, qwen3next, longcat, minimax, deepseekv4,
 gemma4; 64 pairs), or ``all``; each row of the table is the one-launch kernel (``slot_mlp``)
-and the two ``slot_matmul`` kernels: ptxas's registers a thread, its spill stores if any, or
-the error that stopped the compile.
+and the two ``slot_matmul`` kernels (one program over K; down with its own h where the decode
+step at 1-7 tokens would take it, ``mosaic.down_makes_h``, at items of up to 8 rows): ptxas's
+registers a thread, its spill stores if any, or the error that stopped the compile.
 ``--set NAME=VALUE`` sets a ``pallas_kernels.moe_decode.mosaic`` constant first.
 
 ``--family paged-decode``: the FP8 paged-attention decode kernel (``paged_attention.mosaic``)
