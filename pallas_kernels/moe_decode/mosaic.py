@@ -354,7 +354,7 @@ DOWN_MAKES_H_TOKENS = 7
 # ... where its h tile (f16 ``[window, K / k_splits]`` in SMEM, beside the pipeline's stages) is
 # at most this many bytes, else the h launch. The timed tiles (session 33): Qwen3 6-12 KB,
 # gpt-oss MXFP4 at 1 token 15 KB (K over 3 programs). Larger ones cost CTAs an SM (SMEM), and
-# Mixtral's I of 14336 at 4-7 tokens (one program over K) needs 224 KB: with the stages past
+# Mixtral's I of 14336 at 3-7 tokens (one program over K) needs 224 KB: with the stages past
 # the H200's 227 KB a CTA, so that kernel did not compile (offline ``mosaic_registers.py --case
 # all``, session 35). Not timed between 16 and 45 KB (DeepSeek-V3 / V4, LongCat, MiniMax-M2,
 # Qwen1.5-MoE, gpt-oss FP4 at 2-7 tokens: the h launch, as before session 33).
