@@ -806,7 +806,7 @@ def test_down_makes_h_up_to_its_tokens(monkeypatch):
     ("gpt-oss", "mxfp4", 1, 2880, 2880, 32, 4, True),  # K over 3 programs: 15 KB
     ("gpt-oss", "mxfp4", 4, 2880, 2880, 32, 4, False),  # one program over K: 45 KB
     ("deepseek-v3", "fp8", 1, 7168, 2048, 257, 9, False),  # 32 KB
-    ("mixtral", "fp8", 4, 4096, 14336, 8, 2, False),  # 224 KB: past the SMEM of a CTA
+    ("mixtral", "fp8", 3, 4096, 14336, 8, 2, False),  # 224 KB: past the SMEM of a CTA
     ("mixtral", "nvfp4", 7, 4096, 14336, 8, 2, False),
     ("qwen3", "fp8", 8, 2048, 768, 128, 8, False),  # past DOWN_MAKES_H_TOKENS
 ])
