@@ -127,16 +127,15 @@ def _compile_one(family: str, case: str, kernel: str, plugins: Path, sets: list[
     """In a child process: lower ``kernel`` of ``case`` and hand its Mosaic GPU modules to
     ``MosaicGpuCompile``, which prints ptxas's report (``MOSAIC_GPU_DUMP_PTXAS``)."""
     import jax
-    from jax._src import mesh as mesh_lib
     from jax.experimental.mosaic.gpu import core as mgpu_core
+
+    from benchmarks._common import abstract_gpu
 
     mgpu_core.KNOWN_KERNELS.clear()
     if family == "moe-decode":
         _lower_moe_decode(case, kernel, sets, item_rows)
     else:  # their heuristics ask the device: an abstract H200
-        dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-        with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((1,), ("x",),
-                                                                  abstract_device=dev)):
+        with abstract_gpu():
             f, args = (_paged_decode(*PAGED_CASES[case]) if family == "paged-decode"
                        else _grouped_matmul(*_ARCHS[case], kernel))
             jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))

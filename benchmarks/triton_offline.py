@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import io
 import json
 import os
@@ -188,26 +189,21 @@ def lower_all(device: str, families, models) -> list:
     """``[(case, [(ttir, warps, stages)] or an error string)]`` for the device's abstract
     GPU."""
     import jax
-    from jax._src import mesh as mesh_lib
 
-    import atlas_jax.ops._dispatch as dispatch
+    from benchmarks._common import abstract_gpu
 
-    for name in ("routing", "grouped_matmul", "moe_decode", "paged_attention"):
-        module = sys.modules.get(f"atlas_jax.ops.{name}") or __import__(
-            f"atlas_jax.ops.{name}", fromlist=["_"])
-        module.interpret_mode = lambda: False  # the compiled kernels, not the interpreter
-    dispatch.interpret_mode = lambda: False
+    for name in ("_dispatch", "routing", "grouped_matmul", "moe_decode", "paged_attention"):
+        #   the compiled kernels, not the interpreter (each op module imported the function)
+        importlib.import_module(f"atlas_jax.ops.{name}").interpret_mode = lambda: False
     captured = _capturing()
     kind, sms, _, _ = DEVICES[device]
-    dev = mesh_lib.AbstractDevice(device_kind=kind, num_cores=sms, platform="gpu")
     cases = [c for fam, make in (("moe", _moe_cases), ("attention", _attention_cases))
              if fam in families for c in make(models)]
     out = []
     for case, f, args in cases:
         captured.clear()
         try:
-            with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((1,), ("x",),
-                                                                      abstract_device=dev)):
+            with abstract_gpu(kind, sms):
                 jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
             out.append((case, [tuple(c) for c in captured]))
         except Exception as err:  # reported in the table

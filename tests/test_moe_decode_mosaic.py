@@ -846,7 +846,7 @@ def test_down_makes_h_falls_back_past_its_tile_bytes(monkeypatch):
     kw = arrays(NVFP4)
     x, ids = x_rows(3), routing("random", 3, 2, seed=2)
     tile = SlotTile(block_k=64, rows=8)
-    tile_bytes = 128 * window(8) * 2  # I = 128 in one program
+    tile_bytes = I * window(8) * 2  # f16 [window, I]: all of I in one program
     calls = []
     real_h_rows = mosaic.h_rows
     monkeypatch.setattr(mosaic, "h_rows", lambda *a, **k: calls.append(1) or real_h_rows(*a, **k))
