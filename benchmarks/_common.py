@@ -156,18 +156,6 @@ def parse_clock_samples(text: str) -> dict:
 
 
 @contextlib.contextmanager
-def abstract_gpu(kind: str = "NVIDIA H200", sms: int = 132):
-    """Lowering for a GPU this machine lacks: an abstract device whose kind and SM count the
-    kernels' heuristics read (``jit(f).trace(...).lower(lowering_platforms=("cuda",))``)."""
-    from jax._src import mesh as mesh_lib
-
-    dev = mesh_lib.AbstractDevice(device_kind=kind, num_cores=sms, platform="gpu")
-    with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((1,), ("x",),
-                                                              abstract_device=dev)):
-        yield
-
-
-@contextlib.contextmanager
 def clock_samples(period_ms: int = 50):
     """Samples the GPU's SM clock and power by ``nvidia-smi`` every ``period_ms`` while the
     block runs; yields a dict filled on exit (``parse_clock_samples``; empty without

@@ -129,7 +129,7 @@ def _compile_one(family: str, case: str, kernel: str, plugins: Path, sets: list[
     import jax
     from jax.experimental.mosaic.gpu import core as mgpu_core
 
-    from benchmarks._common import abstract_gpu
+    from pallas_kernels._device import abstract_gpu
 
     mgpu_core.KNOWN_KERNELS.clear()
     if family == "moe-decode":

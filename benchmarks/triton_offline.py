@@ -190,7 +190,7 @@ def lower_all(device: str, families, models) -> list:
     GPU."""
     import jax
 
-    from benchmarks._common import abstract_gpu
+    from pallas_kernels._device import abstract_gpu
 
     for name in ("_dispatch", "routing", "grouped_matmul", "moe_decode", "paged_attention"):
         #   the compiled kernels, not the interpreter (each op module imported the function)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 
 
@@ -29,3 +31,16 @@ def device_compute_capability() -> tuple[int, int] | None:
         return None
     major, minor = str(cc).split(".")[:2]
     return int(major), int(minor)
+
+
+@contextlib.contextmanager
+def abstract_gpu(kind: str = "NVIDIA H200", sms: int = 132):
+    """Lowering for a GPU this machine lacks: inside, the kernels' heuristics see an abstract
+    device of this kind and SM count (``jit(f).trace(...).lower(lowering_platforms=("cuda",))``
+    in the tests and the offline benchmark tools)."""
+    from jax._src import mesh as mesh_lib
+
+    dev = mesh_lib.AbstractDevice(device_kind=kind, num_cores=sms, platform="gpu")
+    with jax.sharding.use_abstract_mesh(mesh_lib.AbstractMesh((1,), ("x",),
+                                                              abstract_device=dev)):
+        yield

@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import mesh as mesh_lib
 
-from pallas_kernels._device import device_sm_count
+from pallas_kernels._device import abstract_gpu, device_sm_count
 from pallas_kernels.grouped_matmul.config import (
     Activation,
     ActivationQuant,
@@ -445,11 +444,9 @@ class TestTritonLowering:
         def f(x, w, gs, arrays):
             return grouped_matmul(x, w, gs, fmt=fmt, tile=tile, **arrays, **kwargs)
 
-        dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-        mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
         x = jax.ShapeDtypeStruct((_LOWER_M, _LOWER_K), jnp.bfloat16)
         gs = jax.ShapeDtypeStruct((_LOWER_G,), jnp.int32)
-        with jax.sharding.use_abstract_mesh(mesh):
+        with abstract_gpu():
             lowered = jax.jit(f).trace(x, w, gs, arrays).lower(lowering_platforms=("cuda",))
         assert "__gpu$xla.gpu.triton" in lowered.as_text()
 

@@ -17,9 +17,9 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import mesh as mesh_lib
 
 from pallas_kernels import _offsets
+from pallas_kernels._device import abstract_gpu
 from pallas_kernels.grouped_matmul import kernel
 from pallas_kernels.grouped_matmul.config import TileConfig, WeightFormat
 from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference
@@ -157,10 +157,8 @@ def test_pair_view_lowers_for_h200(fmt, force_pair_view):
         return kernel.grouped_matmul(x, w, gs, fmt=fmt, tile=TileConfig(64, 128, 64, 4, 3),
                                      activation="silu", **arrays)
 
-    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
     x, gs = SD((64, 512), jnp.bfloat16), SD((8,), jnp.int32)
-    with jax.sharding.use_abstract_mesh(mesh):
+    with abstract_gpu():
         lowered = jax.jit(f).trace(x, w, gs, arrays).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
 
@@ -250,9 +248,7 @@ def test_paged_pair_view_lowers_for_h200(kernel_name, kv_dtype, force_pair_view)
         return attend(q, k, v, tables, pos, kv_dtype=kv_dtype, scale=0.1, config=config,
                       **scales)
 
-    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
-    with jax.sharding.use_abstract_mesh(mesh):
+    with abstract_gpu():
         lowered = jax.jit(f).trace(q, pages, pages, SD((2, 8), jnp.int32), pos, scales).lower(
             lowering_platforms=("cuda",))
     text = lowered.as_text()

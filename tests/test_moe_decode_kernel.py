@@ -21,11 +21,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax._src import mesh as mesh_lib
 from jax.experimental import pallas as pl
 
 import atlas_jax as aj
 from atlas_jax.config import Format
+from pallas_kernels._device import abstract_gpu
 from pallas_kernels.grouped_matmul.config import WeightFormat
 from pallas_kernels.moe_decode import (
     DecodeTile,
@@ -582,10 +582,8 @@ def test_compiled_pallas_plan_on_gpu(pattern, t, k):
 def test_pallas_plan_lowers_to_triton_for_h200(t):
     """The plan launch with its work items (8 and 32 pairs: pairwise; 40, 512 and 1024: the
     radix sort), lowered by Pallas' Triton backend for the H200 without a GPU."""
-    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
     plan = functools.partial(make_plan, num_experts=128, pallas=True, item_rows=16)
-    with jax.sharding.use_abstract_mesh(mesh):
+    with abstract_gpu():
         lowered = jax.jit(plan).trace(_SD((t, 8), jnp.int32)).lower(
             lowering_platforms=("cuda",))
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1
@@ -692,9 +690,7 @@ def test_lowers_to_triton_for_h200(fmt, f16, pairs, monkeypatch):
         return moe_decode(x, ids, w, fmt=fmt, activation="gpt_oss", gate_up_layout="interleaved",
                           config=config, **arrays, **quant)
 
-    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
-    with jax.sharding.use_abstract_mesh(mesh):
+    with abstract_gpu():
         lowered = jax.jit(f).trace(_SD((8, _LH), jnp.bfloat16), _SD((8, 4), jnp.int32),
                                    _SD((8, 4), jnp.float32), arrays).lower(
                                        lowering_platforms=("cuda",))

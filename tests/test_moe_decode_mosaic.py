@@ -917,12 +917,10 @@ def test_compiled_blocked_items_on_gpu(monkeypatch, t, fmt, fused):
 def test_blocked_radix_plan_lowers_for_h200(t, k, e):
     """The radix plan program with blocks lowers to Triton for the H200 (no GPU: an abstract
     device), at more pairs than 32 and at fewer (the pairwise plan's range: radix too)."""
-    from jax._src import mesh as mesh_lib
+    from pallas_kernels._device import abstract_gpu
 
-    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
     f = jax.jit(lambda ids: make_plan(ids, e, pallas=True, blocked=True))
-    with jax.sharding.use_abstract_mesh(mesh):
+    with abstract_gpu():
         lowered = f.trace(jax.ShapeDtypeStruct((t, k), jnp.int32)).lower(
             lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import mesh as mesh_lib
 
+from pallas_kernels._device import abstract_gpu
 from pallas_kernels.grouped_matmul.config import Activation, GateUpLayout
 from pallas_kernels.grouped_matmul.reference import GPT_OSS_ALPHA, rounded
 from pallas_kernels.moe_decode.kernel import _epilogue, make_plan
@@ -158,8 +158,6 @@ def test_h_rows(splits, layout, activation, limit, block_k):
 def test_rows_lower_to_triton_for_h200(fp4):
     """The launches lowered by Pallas' Triton backend for the H200 without a GPU (Qwen3 and
     gpt-oss widths: H 2048 / 2880, I 768 / 2880)."""
-    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
     sd = jax.ShapeDtypeStruct
     for h, inter, layout in ((2048, 768, GateUpLayout.CONCATENATED),
                              (2880, 2880, GateUpLayout.INTERLEAVED)):
@@ -174,7 +172,7 @@ def test_rows_lower_to_triton_for_h200(fp4):
             return a, a1, a2, h_rows(gu, splits=2, layout=layout, activation=Activation.GPT_OSS,
                                  limit=7.0, block_k=bk)
 
-        with jax.sharding.use_abstract_mesh(mesh):
+        with abstract_gpu():
             lowered = jax.jit(functools.partial(f)).trace(
                 sd((8, h), jnp.bfloat16), sd((64,), jnp.int32),
                 sd((176, 2 * inter), jnp.float32)).lower(lowering_platforms=("cuda",))

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import mesh as mesh_lib
 
 from pallas_kernels._dequant import e2m1_to_f16_scaled, fp8_to_f16
+from pallas_kernels._device import abstract_gpu
 from pallas_kernels.paged_attention import decode as decode_mod
 from pallas_kernels.paged_attention.config import (
     DecodeConfig,
@@ -727,10 +727,8 @@ class TestTritonLowering:
                 **opts,
             )
 
-        dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-        mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
         q = _sd((b, q_len, hq, d), jnp.bfloat16)
-        with jax.sharding.use_abstract_mesh(mesh):
+        with abstract_gpu():
             lowered = (
                 jax.jit(f)
                 .trace(q, _sd((b, pt), jnp.int32), _sd((b,), jnp.int32), arrays)

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import mesh as mesh_lib
 
+from pallas_kernels._device import abstract_gpu
 from pallas_kernels.paged_attention.config import KVDtype
 from pallas_kernels.paged_attention.mosaic import (
     MAX_ROWS,
@@ -88,9 +88,7 @@ def test_lowers_for_sm90(q_len, hq, hk, p, window, splits):
         return paged_decode_mosaic(q, k, v, bt, sl, k_scale=ks, v_scale=vs, scale=0.1,
                                    sliding_window=window, num_splits=splits)
 
-    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
-    with jax.sharding.use_abstract_mesh(mesh):
+    with abstract_gpu():
         text = jax.jit(f).trace(*_abstract(2, q_len, hq, hk, p)).lower(
             lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import mesh as mesh_lib
 
+from pallas_kernels._device import abstract_gpu
 from pallas_kernels.paged_attention.config import (
     MAX_PREFILL_ROWS,
     KVDtype,
@@ -400,8 +400,6 @@ def test_lowers_for_h200(kv_dtype, d, hq, hk, opts, config):
     if opts.pop("sinks", False):
         arrays["sinks"] = _sd((hq,), jnp.float32)
     f = lambda arrays: paged_prefill(**arrays, **static, **opts, config=config)  # noqa: E731
-    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=dev)
-    with jax.sharding.use_abstract_mesh(mesh):
+    with abstract_gpu():
         lowered = jax.jit(f).trace(arrays).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
