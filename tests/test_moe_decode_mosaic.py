@@ -359,22 +359,32 @@ def test_compiled_slot_matmul_small_windows(item_rows, fmt, k, k_splits):
 
 def test_item_rows_and_windows(monkeypatch):
     """Items of 1 row at 1 token, aligned items of 8 rows at 2-8 tokens, past 8 items of 8
-    where the experts have few rows each, else 16 (BF16: 16 from 2); blocks of 8 at
-    ``BLOCKED_ITEM_TOKENS`` when set; read in windows of 8 (1 and 8 rows), 16 (2-7, 9, 16
-    rows), 24 (10-15) from an 8-aligned row; a ``SlotTile``'s rows in [1, 16]."""
+    where the experts have few rows each, else 16 (BF16: 16 from 2); blocks of 8 in FP4 steps
+    of 17-32 tokens with few rows an expert (``blocked_items``); read in windows of 8 (1 and 8
+    rows), 16 (2-7, 9, 16 rows), 24 (10-15) from an 8-aligned row; a ``SlotTile``'s rows in
+    [1, 16]."""
     assert [choose_item_rows(t) for t in (1, 2, 3, 8, 9, 16, 64)] == [1, 8, 8, 8, 16, 16, 16]
     assert [choose_item_rows(t, "bf16") for t in (1, 2, 8, 9)] == [1, 16, 16, 16]
     assert choose_item_rows(3, "nvfp4") == 8
     # past 8 tokens, items of 8 where the experts have at most SMALL_ITEM_DENSITY rows each
-    assert [choose_item_rows(t, "nvfp4", t * 8 / 128) for t in (16, 24, 32, 64)] == [8, 8, 16,
+    # (and blocks of 8 at 32 tokens, below)
+    assert [choose_item_rows(t, "nvfp4", t * 8 / 128) for t in (16, 24, 32, 64)] == [8, 8, 8,
                                                                                      16]
+    assert [choose_item_rows(t, "fp8", t * 8 / 128) for t in (16, 24, 32, 64)] == [8, 8, 16,
+                                                                                   16]
     assert choose_item_rows(16, "bf16", 1.0) == 16 and choose_item_rows(16, "fp8", 2.0) == 16
-    assert not mosaic.blocked_items(16, "nvfp4")  # off by default
+    # blocks: FP4 at 17-32 tokens with at most 2 rows an expert (Qwen3's 128 experts, top-8)
+    assert [mosaic.blocked_items(t, f, t * 8 / 128) for f in ("nvfp4", "mxfp4")
+            for t in (16, 17, 32, 33)] == [False, True, True, False] * 2
+    assert not any(mosaic.blocked_items(24, f, 1.5) for f in ("bf16", "fp8"))
+    assert not mosaic.blocked_items(32, "nvfp4", 2.5)  # Mixtral-like: experts of many rows
+    assert [choose_item_rows(32, f, 2.0) for f in ("nvfp4", "mxfp4", "fp8")] == [8, 8, 16]
+    assert choose_item_rows(32, "nvfp4", 2.5) == 16
     monkeypatch.setattr(mosaic, "BLOCKED_ITEM_TOKENS", (9, 32))
-    assert [mosaic.blocked_items(t, "nvfp4") for t in (8, 9, 32, 33)] == [False, True, True,
-                                                                          False]
-    assert not mosaic.blocked_items(16, "bf16")
+    monkeypatch.setattr(mosaic, "BLOCKED_FORMATS", ("fp8", "nvfp4"))
+    monkeypatch.setattr(mosaic, "BLOCKED_MAX_DENSITY", 4.0)
     assert [choose_item_rows(t, "fp8", 4.0) for t in (8, 9, 32, 33)] == [8, 8, 8, 16]
+    assert not mosaic.blocked_items(16, "bf16", 1.0)
     assert [window(r) for r in (1, 2, 7, 8, 9, 10, 15, 16)] == [8, 16, 16, 8, 16, 24, 24, 16]
     assert SlotTile(rows=3).window == 16 and SlotTile().window == 16
     assert window_rows(45, 1) == 48 and window_rows(45) == 56 and window_rows(45, 8) == 48
@@ -860,6 +870,9 @@ def test_down_makes_h_falls_back_past_its_tile_bytes(monkeypatch):
         assert_pairs_close(out, ref, ids, E)
 
 
+# The blocked plan at every token count, format and density (the default takes it where timed)
+EVERY_BLOCKED = dict(BLOCKED_ITEM_TOKENS=(2, 64), BLOCKED_FORMATS=("fp8", "nvfp4", "mxfp4"),
+                     BLOCKED_MAX_DENSITY=float("inf"))
 BLOCKED_CASES = [  # (T, k, format, routing patterns, fused)
     (33, 2, FP8, ("one_expert", "random"), False),  # 33 rows on one expert: five blocks
     (12, 2, NVFP4, ("repeated", "zero_experts"), True),
@@ -876,7 +889,7 @@ def test_blocked_items_against_reference(monkeypatch, t, k, fmt, patterns, fused
     in one block, and the radix plan program makes the XLA plan's blocks."""
     kw = arrays(fmt, bias=True)
     x = x_rows(t)
-    with mosaic_constants(monkeypatch, BLOCKED_ITEM_TOKENS=(2, 64)):
+    with mosaic_constants(monkeypatch, **EVERY_BLOCKED):
         for i, pattern in enumerate(patterns):
             ids = routing(pattern, t, k, seed=i)
             out = moe_decode_mosaic_pairs(x, ids, interpret=True, fused=fused, **kw)
@@ -896,6 +909,31 @@ def test_blocked_items_against_reference(monkeypatch, t, k, fmt, patterns, fused
             assert (np.delete(tok, rows) == -1).all()  # padding rows
 
 
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
+def test_default_blocked_plan_where_timed(monkeypatch, fmt):
+    """With the code's constants, an FP4 step of 20 tokens over experts of ~1 row each (20 x 2
+    pairs, 32 experts) takes the blocked plan and equals the reference; FP8 does not take it."""
+    calls = []
+    make = mosaic.make_plan
+
+    def spy(*args, **kw):
+        calls.append(kw.get("blocked", False))
+        return make(*args, **kw)
+
+    monkeypatch.setattr(mosaic, "make_plan", spy)
+    e, rng = 32, np.random.default_rng(3)
+    ids = jnp.asarray(np.stack([rng.permutation(e)[:2] for _ in range(20)]), jnp.int32)
+    x = x_rows(20)
+    kw = arrays(fmt, e=e, bias=True)
+    out = moe_decode_mosaic_pairs(x, ids, interpret=True, **kw)
+    assert calls == [True]
+    assert_pairs_close(out, moe_decode_pairs_reference(x, ids, h_dtype=jnp.bfloat16, **kw), ids,
+                       e)
+    calls.clear()
+    moe_decode_mosaic_pairs(x, ids, interpret=True, **arrays(FP8, e=e))
+    assert True not in calls
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
 @pytest.mark.parametrize("t", [9, 33])
 @pytest.mark.parametrize("fmt", [FP8, NVFP4, MXFP4], ids=lambda f: f.value)
@@ -903,7 +941,7 @@ def test_blocked_items_against_reference(monkeypatch, t, k, fmt, patterns, fused
 def test_compiled_blocked_items_on_gpu(monkeypatch, t, fmt, fused):
     """The blocked plan compiled: the radix plan program's blocks (Triton) equal XLA's, and
     the Mosaic kernels on them equal the reference (padding rows between the blocks)."""
-    with mosaic_constants(monkeypatch, BLOCKED_ITEM_TOKENS=(2, 64)):
+    with mosaic_constants(monkeypatch, **EVERY_BLOCKED):
         rng = np.random.default_rng(t)  # Qwen3's routing: 8 of 128 experts a token
         ids = jnp.asarray(np.stack([rng.permutation(128)[:8] for _ in range(t)]), jnp.int32)
         plan = make_plan(ids, 128, blocked=True)

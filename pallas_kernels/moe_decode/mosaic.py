@@ -19,9 +19,10 @@ programs exit at once). The activations come in sorted-row order ``a [R, K]`` (`
 window_rows(P, r)``: the rows past ``P`` are read by the last windows only): a program reads
 the window of ``window(r)`` rows (8 for items of 1 or 8 rows, 16 for 16) from ``start_w``
 rounded down to a multiple of 8 (a TMA into tiled SMEM starts at an 8-aligned
-row) and its item's rows sit at offset ``start_w % 8`` in it. At ``BLOCKED_ITEM_TOKENS`` (off
-by default) the plan is blocked (``kernel.blocked_plan``): each expert's rows start a block of
-8 of its own (padding rows between), so items of 8 cut no expert of up to 8 rows in two.
+row) and its item's rows sit at offset ``start_w % 8`` in it. FP4 steps of 17-32 tokens with
+few rows an expert (``blocked_items``) take the blocked plan (``kernel.blocked_plan``): each
+expert's rows start a block of 8 of its own (padding rows between), so items of 8 cut no
+expert of up to 8 rows in two.
 
 Kernel (``slot_matmul``): ``out[r, n] = sum_k w[e_w, n, k] * scale(e_w, n, k) * a[r, k]`` for
 every sorted row ``r`` of every item, in sorted-row order like the Triton kernels' output
@@ -176,19 +177,28 @@ BLOCK_N = 64  # weight rows a program (the wgmma's M)
 # blocks of 8 of their own (``kernel.blocked_plan``): items of 8 with no expert's rows crossing
 # a cut unless it has more than 8. H200, the Mosaic launch at 32 tokens with XLA's blocked plan,
 # items of 16 -> blocks: NVFP4 103 -> 96.4 us, MXFP4 114 -> 105; 64 tokens (three launches)
-# 109 -> 108 / 117 -> 112 (session 31). None (off) until the radix program's blocked plan has
-# run compiled on the GPU (built and tested in interpret mode only; for (9, 32): NOTES).
+# 109 -> 108 / 117 -> 112 (session 31). With the radix program's blocked plan, the full step
+# (session 36, H100 SXM: no H200 was lent; one round each, busy us): Qwen3 NVFP4 24 / 32 tokens
+# 124 -> 121 / 137 -> 133 and 134 (two calls), MXFP4 123 -> 120 / 139 -> 131 and 130; 16
+# tokens (items of 8 already) 99.6 -> 101 / 98.8 -> 98.4. Only where timed: FP4
+# (``BLOCKED_FORMATS``; FP8 not timed) at up to ``BLOCKED_MAX_DENSITY`` rows an expert (Qwen3
+# at 32 tokens: 2; Mixtral's 8 would read its experts' weights in more items than 16-row ones).
 MIN_ITEM_ROWS = 1
 SMALL_ITEM_TOKENS = 8
 SMALL_ITEM_DENSITY = 1.5
-BLOCKED_ITEM_TOKENS: tuple[int, int] | None = None
+BLOCKED_ITEM_TOKENS: tuple[int, int] | None = (17, 32)
+BLOCKED_MAX_DENSITY = 2.0
+BLOCKED_FORMATS = ("nvfp4", "mxfp4")
 
 
-def blocked_items(tokens: int, fmt: str | None = None) -> bool:
-    """Whether a step of ``tokens`` takes the blocked plan (``BLOCKED_ITEM_TOKENS``; f16
-    activations: not BF16 weights)."""
+def blocked_items(tokens: int, fmt: str | None, density: float) -> bool:
+    """Whether a step of ``tokens`` whose experts have ``density`` rows each on average (the
+    pairs over the experts, ``T * k / E``) takes the blocked plan: ``fmt`` in
+    ``BLOCKED_FORMATS``, ``tokens`` in ``BLOCKED_ITEM_TOKENS``, ``density`` at most
+    ``BLOCKED_MAX_DENSITY``."""
     span = BLOCKED_ITEM_TOKENS
-    return fmt != "bf16" and span is not None and span[0] <= tokens <= span[1]
+    return (fmt in BLOCKED_FORMATS and span is not None and span[0] <= tokens <= span[1]
+            and density <= BLOCKED_MAX_DENSITY)
 
 
 def window(rows: int) -> int:
@@ -202,8 +212,8 @@ def window(rows: int) -> int:
 def choose_item_rows(tokens: int, fmt: str | None = None, density: float | None = None) -> int:
     """Pure heuristic: the rows work items are cut to at ``tokens`` tokens: 1 at 1 token (at
     least ``MIN_ITEM_ROWS``), aligned items (``kernel.cut_base``) of 8 rows at 2 to
-    ``SMALL_ITEM_TOKENS`` (8) tokens, blocks of 8 at ``BLOCKED_ITEM_TOKENS``
-    (``blocked_items``), and past those where ``density`` (the pairs over the experts, ``T *
+    ``SMALL_ITEM_TOKENS`` (8) tokens, blocks of 8 where ``blocked_items`` (given
+    ``density``), and past those where ``density`` (the pairs over the experts, ``T *
     k / E``) is at most ``SMALL_ITEM_DENSITY``; otherwise (and for BF16 ``fmt``) of 16. An
     expert's rows (at most T under top-k routing) are one item unless they cross a cut: with
     aligned 8-row items that is ~1 of 54 experts at 8 tokens (Qwen3-30B-A3B; its weights read
@@ -212,8 +222,9 @@ def choose_item_rows(tokens: int, fmt: str | None = None, density: float | None 
     each (session 31); blocks cross no cut; 16-row items cut only slots of 10 rows or more."""
     if tokens <= 1:
         return max(MIN_ITEM_ROWS, 1)
-    small = (tokens <= SMALL_ITEM_TOKENS or blocked_items(tokens, fmt)
-             or (density is not None and density <= SMALL_ITEM_DENSITY))
+    small = (tokens <= SMALL_ITEM_TOKENS
+             or (density is not None and (blocked_items(tokens, fmt, density)
+                                          or density <= SMALL_ITEM_DENSITY)))
     return 8 if small and fmt != "bf16" else ROWS
 
 
@@ -357,7 +368,8 @@ DOWN_MAKES_H_TOKENS = 7
 # Mixtral's I of 14336 at 3-7 tokens (one program over K) needs 224 KB: with the stages past
 # the H200's 227 KB a CTA, so that kernel did not compile (offline ``mosaic_registers.py --case
 # all``, session 35). Not timed between 16 and 45 KB (DeepSeek-V3 / V4, LongCat, MiniMax-M2,
-# Qwen1.5-MoE, gpt-oss FP4 at 2-7 tokens: the h launch, as before session 33).
+# Qwen1.5-MoE, gpt-oss FP4 at 2-7 tokens: the h launch, as before session 33). Raised to 64 KB
+# (session 36, H100, busy us): DeepSeek-V3 MXFP4 at 1 / 4 tokens 106 -> 108 / 286 -> 316.
 H_TILE_MAX_BYTES = 16 * 1024
 # ... its h chunks kept in registers up to this many a thread (else recomputed, rolled): the
 # down kernel's registers are the largest of its h part's and its K loop's. Offline ptxas,
@@ -2216,7 +2228,7 @@ def moe_decode_mosaic_pairs(
         return t.block_k if packed == 2 else None
 
     x16 = None  # x's f16 rows (f16 activations), where the plan's launch makes them
-    blocked = blocked_items(x.shape[0], fmt) and item_rows == 8
+    blocked = blocked_items(x.shape[0], fmt, p / e_all) and item_rows == 8
     if blocked:  # kernel.blocked_plan
         plan = make_plan(expert_ids, e_all, pallas=not interpret, interpret=interpret,
                          blocked=True)
