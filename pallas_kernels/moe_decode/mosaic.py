@@ -367,9 +367,10 @@ DOWN_MAKES_H_TOKENS = 7
 # gpt-oss MXFP4 at 1 token 15 KB (K over 3 programs). Larger ones cost CTAs an SM (SMEM), and
 # Mixtral's I of 14336 at 3-7 tokens (one program over K) needs 224 KB: with the stages past
 # the H200's 227 KB a CTA, so that kernel did not compile (offline ``mosaic_registers.py --case
-# all``, session 35). Not timed between 16 and 45 KB (DeepSeek-V3 / V4, LongCat, MiniMax-M2,
-# Qwen1.5-MoE, gpt-oss FP4 at 2-7 tokens: the h launch, as before session 33). Raised to 64 KB
-# (session 36, H100, busy us): DeepSeek-V3 MXFP4 at 1 / 4 tokens 106 -> 108 / 286 -> 316.
+# all``, session 35). Tiles of 16-45 KB (DeepSeek-V3 / V4, LongCat, MiniMax-M2, Qwen1.5-MoE,
+# gpt-oss FP4 at 2-7 tokens) take the h launch, as before session 33; where timed they lose:
+# the bound at 64 KB (session 36, H100, busy us), DeepSeek-V3 MXFP4 at 1 / 4 tokens (32 KB)
+# 106 -> 108 / 286 -> 316.
 H_TILE_MAX_BYTES = 16 * 1024
 # ... its h chunks kept in registers up to this many a thread (else recomputed, rolled): the
 # down kernel's registers are the largest of its h part's and its K loop's. Offline ptxas,
