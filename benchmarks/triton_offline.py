@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import io
 import json
 import os
 import pickle
@@ -234,10 +233,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "compile.py"
         script.write_text(_COMPILE)
-        buf = io.BytesIO()
-        pickle.dump(ok, buf)
         proc = subprocess.run([args.triton_python, str(script), str(cap),
-                               str(args.cuda_root / "bin" / "ptxas")], input=buf.getvalue(),
+                               str(args.cuda_root / "bin" / "ptxas")], input=pickle.dumps(ok),
                               capture_output=True, env=dict(os.environ, PYTHONPATH=""))
     if proc.returncode:
         sys.exit(proc.stderr.decode()[-3000:])

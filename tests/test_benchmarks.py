@@ -244,6 +244,7 @@ def test_mosaic_registers_reads_ptxas_reports():
     assert len(CASES) == 3 * len(_ARCHS) and FAMILIES["grouped-matmul"][0] is _ARCHS
     assert all(q * g <= 64 for q, g in PAGED_CASES.values())
 
+
 def test_triton_offline_lowers_every_case():
     """``triton_offline.lower_all`` (in its own process: it patches jax's lowering): each case
     of a model's MoE layer and attention lowers for an abstract GB10 and hands over its Triton

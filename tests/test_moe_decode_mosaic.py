@@ -931,7 +931,7 @@ def test_default_blocked_plan_where_timed(monkeypatch, fmt):
                        e)
     calls.clear()
     moe_decode_mosaic_pairs(x, ids, interpret=True, **arrays(FP8, e=e))
-    assert True not in calls
+    assert calls == []  # FP8's 40 pairs: the plan + x rows launch, not make_plan's blocks
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: runs the compiled Mosaic GPU kernels")
