@@ -75,7 +75,7 @@ SHAPES = {  # name: (H, I, E, k, router / activation of the model)
 # it (moe.experts.shared_experts), for --sweep
 SWEEP_ONLY = {"deepseek-v3-shared": (7168, 2048, 1, 1, dict())}
 # Other models' routed experts, by name only (not in the default table): a down K that 256 does
-# not divide (FP4 steps of 64 / 128 by default, or FP4_RAGGED_STEP's 256); their routers'
+# not divide (FP4 steps of 256, the last ragged: FP4_RAGGED_STEP; 64 / 128 without); their routers'
 # particulars (Gemma-4's norm and per-expert scale) left out
 OTHER_SHAPES = {"gemma-4-26b-a4b": (2816, 704, 128, 8, dict(activation="gelu_tanh")),
                 "qwen1.5-moe-a2.7b": (2048, 1408, 60, 4, dict(norm_topk_prob=False))}

@@ -479,14 +479,14 @@ def test_compiled_slot_matmul_fp4_ragged_k(fmt, k, k_splits, item_rows):
 
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
 def test_pairs_fp4_ragged_step(monkeypatch, fmt):
-    """``FP4_RAGGED_STEP`` through the decode step: H = 192 and I = 320 in steps of 256 (one
-    ragged step; two, the last ragged), x's and h's rows padded to whole steps
-    (``rows.row_width``; the one launch's h program writes zeros past I), at 1 and 3 tokens
-    (three launches) and 12 (both), gpt-oss's activation with biases. Each equals the
+    """``FP4_RAGGED_STEP`` through the decode step (``FP4_STEPS`` 256 only, so that H takes it too):
+    H = 192 and I = 320 in steps of 256 (one ragged step; two, the last ragged), x's and h's rows
+    padded to whole steps (``rows.row_width``; the one launch's h program writes zeros past I), at 1
+    and 3 tokens (three launches) and 12 (both), gpt-oss's activation with biases. Each equals the
     reference."""
     kw = arrays(fmt, inter=320, bias=True)
     variant = dict(activation="gpt_oss", gate_up_layout="interleaved", limit=3.0)
-    with mosaic_constants(monkeypatch, FP4_RAGGED_STEP=256):
+    with mosaic_constants(monkeypatch, FP4_STEPS=(256,), FP4_RAGGED_STEP=256):
         name = format_name(fmt, None)
         assert choose_slot_tile(H, fmt=name).block_k == 256
         for t, fused in ((1, None), (3, None), (12, False), (12, None)):
@@ -1026,12 +1026,21 @@ def test_choose_k_splits(monkeypatch):
     ragged = choose_slot_tile(2880, fmt="fp8")  # 23 steps of 128, the last one ragged
     assert ragged.block_k == 128 and ragged.num_stages == mosaic.NUM_STAGES_LONG
     for fmt in ("nvfp4", "mxfp4"):  # FP4: steps of 256 where they divide K
-        assert [choose_slot_tile(k, fmt=fmt).block_k for k in (2048, 768, 640)] == [256, 256, 128]
+        assert [choose_slot_tile(k, fmt=fmt).block_k for k in (2048, 768)] == [256, 256]
         assert choose_slot_tile(2048, fmt=fmt).num_stages == mosaic.NUM_STAGES_WIDE
-    # else 192 (gpt-oss: 15 steps)
-    assert choose_slot_tile(2880, fmt="mxfp4").block_k == 192
-    assert choose_slot_tile(2880, fmt="nvfp4").block_k == 192
-    assert choose_slot_tile(320, fmt="nvfp4").block_k == 64
+        # else 192 (gpt-oss: 15 steps)
+        assert [choose_slot_tile(k, fmt=fmt).block_k for k in (2880, 192)] == [192, 192]
+        # else FP4_RAGGED_STEP's 256, the last step ragged, where they are fewer than the
+        # steps of 128 / 64: Gemma-4's 704 (3, not 11 of 64), Qwen1.5-MoE's 1408 (6, not 11
+        # of 128), 640, 320; a single step of 128 / 64 stays
+        ragged_256 = choose_slot_tile(704, fmt=fmt)
+        assert ragged_256.block_k == 256 and ragged_256.num_stages == mosaic.NUM_STAGES_WIDE
+        assert [choose_slot_tile(k, fmt=fmt).block_k for k in (1408, 640, 320, 128, 64)] == [
+            256, 256, 256, 128, 64]
+        assert choose_slot_tile(704, fmt="fp8").block_k == 128  # FP8: 128, the last ragged
+    monkeypatch.setattr(mosaic, "FP4_RAGGED_STEP", None)  # off: 128 / 64
+    assert [choose_slot_tile(k, fmt="nvfp4").block_k for k in (704, 1408, 640, 320, 2880)] == [
+        64, 128, 128, 64, 192]
     # FP4_STEPS in their order: 320 before 192 takes gpt-oss's 2880 in 9 steps
     monkeypatch.setattr(mosaic, "FP4_STEPS", (256, 320, 192))
     assert [choose_slot_tile(k, fmt="mxfp4").block_k for k in (2880, 2048, 576)] == [
@@ -1306,11 +1315,11 @@ class TestLowersForHopper:
 
     @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda v: v.value)
     def test_fp4_ragged_step_lowers(self, monkeypatch, fmt):
-        """``FP4_RAGGED_STEP``: gpt-oss's gate_up (K of 2880) in 12 steps of 256, the last
-        ragged (32-byte code swizzle, clamped scale loads), alone and K split in three; its
-        one launch (the h program's rows padded, zeros past I); its own-h down launch (the
-        last split's h tile zero past I)."""
-        with mosaic_constants(monkeypatch, FP4_RAGGED_STEP=256):
+        """``FP4_RAGGED_STEP`` (``FP4_STEPS`` 256 only): gpt-oss's gate_up (K of 2880) in 12 steps
+        of 256, the last ragged (32-byte code swizzle, clamped scale loads), alone and K split in
+        three; its one launch (the h program's rows padded, zeros past I); its own-h down launch
+        (the last split's h tile zero past I)."""
+        with mosaic_constants(monkeypatch, FP4_STEPS=(256,), FP4_RAGGED_STEP=256):
             assert choose_slot_tile(2880, fmt=format_name(fmt, None)).block_k == 256
             self.lower_slot_matmul(fmt, 5760, 2880, 3)
             self.lower_slot_matmul(fmt, 5760, 2880, 1)
@@ -1458,9 +1467,10 @@ def check_compiled(fmt, k_splits, t: int, fused: bool, *, inter: int, h: int = 1
 @pytest.mark.parametrize("t,fused", [(1, False), (3, False), (12, False), (12, True),
                                      (33, False)])
 def test_compiled_fp4_ragged_step_on_gpu(monkeypatch, fmt, t, fused):
-    """``FP4_RAGGED_STEP`` compiled end to end: H = 960 and I = 320 in steps of 256 (the last
-    of each ragged), x's and h's rows padded, three launches and the one launch's h program."""
-    with mosaic_constants(monkeypatch, FP4_RAGGED_STEP=256):
+    """``FP4_RAGGED_STEP`` compiled end to end (``FP4_STEPS`` 256 only): H = 960 and I = 320 in
+    steps of 256 (the last of each ragged), x's and h's rows padded, three launches and the one
+    launch's h program."""
+    with mosaic_constants(monkeypatch, FP4_STEPS=(256,), FP4_RAGGED_STEP=256):
         check_compiled(fmt, (1, 1), t, fused, inter=320, h=960)
 
 

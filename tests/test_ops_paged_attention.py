@@ -83,8 +83,9 @@ def test_one_byte_arrays_of_2_to_4_gib_in_the_cache():
 
 
 def test_attn_decode_kernel_choice(monkeypatch):
-    """"auto" takes the Mosaic GPU FP8 kernel on sm_90 for the caches it supports; "mosaic"
-    raises naming why it cannot run (interpret mode, the KV dtype)."""
+    """"auto" takes the Mosaic GPU FP8 kernel on sm_90 for the caches it supports up to 32
+    query rows a kv head; "mosaic" raises naming why it cannot run (interpret mode, the KV
+    dtype)."""
     from atlas_jax.ops import paged_attention as op
     from pallas_kernels import grouped_matmul as gm
 
@@ -103,6 +104,10 @@ def test_attn_decode_kernel_choice(monkeypatch):
     assert not op._use_mosaic(jnp.zeros((1, 1, 32, 128)), fp8, None,
                               auto.replace(attn_block_pages=8))
     assert not op._use_mosaic(jnp.zeros((1, 4, 80, 128)), fp8, None, auto)  # 4 x 20 > 64 rows
+    # 48 and 64 rows: the kernel runs them ("mosaic") but spills; "auto" takes Triton
+    assert not op._use_mosaic(jnp.zeros((1, 3, 64, 128)), fp8, None, auto)
+    assert not op._use_mosaic(jnp.zeros((1, 4, 64, 128)), fp8, None, auto)
+    assert op._use_mosaic(jnp.zeros((1, 4, 64, 128)), fp8, None, mosaic)
     assert not op._use_mosaic(jnp.zeros((8, 1, 32, 128)), bf16, None, auto)
     assert not op._use_mosaic(jnp.zeros((8, 1, 32, 128)), fp8, 30.0, auto)  # softcap
     assert not op._use_mosaic(jnp.zeros((8, 1, 32, 128)), fp8, None,

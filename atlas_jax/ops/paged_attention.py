@@ -175,14 +175,16 @@ def _call_kernel(kernel, q, cache, block_tables, positions, **kw) -> jax.Array:
 def _use_mosaic(q, cache: PagedKVCache, logit_softcap, k: KernelConfig) -> bool:
     """``KernelConfig.attn_decode_kernel`` resolved: "mosaic" (NotImplementedError naming the
     reason where the Mosaic GPU kernel cannot run), "triton", or "auto": Mosaic GPU on an
-    sm_90 GPU for the FP8 caches it supports, unless ``attn_block_pages`` (a Triton tunable) is
-    set. On the H200 it measured 1.08-1.45x the Triton FP8 kernel (B 1..32, 4k..32k;
-    benchmarks/RESULTS.md, session 11)."""
-    from pallas_kernels.paged_attention.mosaic import unsupported_reason
+    sm_90 GPU for the FP8 caches it supports with at most ``AUTO_MAX_ROWS`` query rows a kv
+    head (``Q * Hq / Hk``; past it the kernel spills), unless ``attn_block_pages`` (a Triton
+    tunable) is set. On the H200 it measured 1.08-1.45x the Triton FP8 kernel (B 1..32,
+    4k..32k, 8 rows; benchmarks/RESULTS.md, session 11)."""
+    from pallas_kernels.paged_attention.mosaic import AUTO_MAX_ROWS, unsupported_reason
 
     _, nq, hq, d = q.shape
     hk = cache.k.data.shape[2]
-    reason = unsupported_reason(cache.dtype.value, d, cache.k.data.shape[1], nq * hq // hk,
+    rows = nq * hq // hk
+    reason = unsupported_reason(cache.dtype.value, d, cache.k.data.shape[1], rows,
                                 logit_softcap)
     match k.attn_decode_kernel:
         case GmmKernel.TRITON:
@@ -197,7 +199,7 @@ def _use_mosaic(q, cache: PagedKVCache, logit_softcap, k: KernelConfig) -> bool:
         case GmmKernel.AUTO:
             from pallas_kernels.grouped_matmul import device_compute_capability
 
-            return (reason is None and not interpret_mode()
+            return (reason is None and rows <= AUTO_MAX_ROWS and not interpret_mode()
                     and device_compute_capability() == (9, 0) and k.attn_block_pages is None)
 
 

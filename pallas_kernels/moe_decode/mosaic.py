@@ -138,12 +138,16 @@ FP4_STEPS = (256, 192)  # FP4 K step widths, the first that divides K (else 128 
 #   FP4_PARTS_192=3), the K loop per code word 29.5 -> 27.2 instructions (MXFP4),
 #   28.4 -> 26.6 (NVFP4), for 64 -> 72 registers (8 -> 7 CTAs an SM). H200, gpt-oss MXFP4 busy
 #   us, 192 -> 320: 1 token 37.5 -> 38.3, 8 tokens 152 -> 150 (mixed: NOTES, session 33)
-FP4_RAGGED_STEP: int | None = None  # 256: FP4 K steps of 256 for any K that is a multiple of 64,
-#   the last step ragged (codes and activations zero past K, the scale loads kept on the row's
-#   groups), in place of FP4_STEPS' 192 for gpt-oss's 2880 (12 steps of 16 code words a thread
-#   against 15 of 12); None: FP4_STEPS. Offline ptxas at windows of 8: gpt-oss's FP4 gate_up and
-#   down 91-95 -> 72-74 registers (5 -> 6 CTAs an SM), a program's K loop -6% instructions; the
-#   one launch 109 -> 106 (NOTES, session 34). Not timed yet: off.
+FP4_RAGGED_STEP: int | None = 256  # FP4 K steps of 256 where no FP4_STEPS width divides K (a
+#   multiple of 64) and they are fewer than the narrow steps of 128 / 64, the last step ragged
+#   (codes and activations zero past K, the scale loads kept on the row's groups): Gemma-4's
+#   down K of 704 in 3 steps for 11 of 64, Qwen1.5-MoE's 1408 in 6 for 11 of 128. H100 SXM
+#   same-run busy us, off -> on (session 37): Gemma-4 NVFP4 1 / 8 / 32 tokens -0.4 / -4.3 /
+#   -3.4%, MXFP4 -1.9 / -5.0 / -4.6%; Qwen1.5-MoE NVFP4 -12.8 / -3.0 / -2.4%, MXFP4 -13.9 /
+#   -1.6 / -0.8%. Where a width of FP4_STEPS divides K it stays (gpt-oss's 2880 in 15 of 192
+#   against 12 of 256 ragged, FP4_STEPS=(256,): H100 MXFP4 1 / 8 tokens +2.5 / -1.1%, NVFP4
+#   -0.7 / -3.2%, session 36, mixed; offline ptxas 91-95 -> 72-74 registers, session 34).
+#   None: FP4_STEPS, else 128 / 64.
 FP4_PARTS_192 = 1  # the same for steps of 192 (gpt-oss's K of 2880; 1 or 3). 3 (parts of 64):
 #   offline ptxas at windows of 8 (16), with H_KEEP_CHUNKS=8, gpt-oss MXFP4 gate_up
 #   93 -> 64 registers (100 -> 72), the one launch 95 -> 68 (103 -> 72): 5 -> 7 CTAs an SM, for
@@ -260,13 +264,14 @@ def choose_slot_tile(k: int, num_stages: int | None = None, fmt: str | None = No
     MXFP4 the first of ``FP4_STEPS`` that divides K (256, else 192: gpt-oss's 2880 in 15
     steps). Stages: ``NUM_STAGES``, ``NUM_STAGES_LONG`` where K is ``LONG_K_STEPS`` steps or
     more (gpt-oss's 2880: 23 of 128), ``NUM_STAGES_WIDE`` for steps wider than 128, unless
-    given. ``rows``: the items' rows (``choose_item_rows``). With ``FP4_RAGGED_STEP`` set FP4
-    takes steps of that width wherever K is a multiple of 64 and not of it (the last step
-    ragged)."""
+    given. ``rows``: the items' rows (``choose_item_rows``). FP4 that no width of
+    ``FP4_STEPS`` divides takes ``FP4_RAGGED_STEP``'s steps (the last ragged) where they are
+    fewer than the narrow ones."""
     wide = [w for w in FP4_STEPS if k % w == 0] if fmt in _WIDE_FORMATS else []
-    if _fp4_ragged(fmt, k, FP4_RAGGED_STEP):
-        wide = [FP4_RAGGED_STEP]
     narrow = 128 if k % 128 == 0 or _takes_ragged_k(fmt, k) else 64
+    if (not wide and _fp4_ragged(fmt, k, FP4_RAGGED_STEP)
+            and -(-k // FP4_RAGGED_STEP) < k // narrow):
+        wide = [FP4_RAGGED_STEP]
     block_k = wide[0] if wide else narrow
     if num_stages is None and block_k > 128:
         num_stages = NUM_STAGES_WIDE
