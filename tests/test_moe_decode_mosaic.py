@@ -1052,6 +1052,21 @@ def test_choose_k_splits(monkeypatch):
     assert choose_k_splits(4, 2880, 2880, ragged) == 1  # 23 steps: no divisor
 
 
+@pytest.mark.parametrize("fmt", [Format.NVFP4, Format.MXFP4], ids=lambda f: f.value)
+def test_ragged_fp4_model_shapes_take_mosaic(fmt):
+    """The layers whose K takes the ragged FP4 steps by default (Gemma-4's down K of 704,
+    Qwen1.5-MoE's 1408) pass the Mosaic decode kernels' checks, so "auto" keeps them there
+    (two experts of each shape)."""
+    from atlas_jax.ops.moe_decode import mosaic_unsupported_reason
+
+    for h, inter in ((2816, 704), (2048, 1408)):
+        params = make("qwen3", fmt, jnp.bfloat16, hidden_size=h, intermediate_size=inter,
+                      num_experts=2)
+        assert choose_slot_tile(inter, fmt=format_name(fmt.value, jnp.uint8)).block_k == 256
+        x = jnp.ones((1, h), jnp.bfloat16)
+        assert mosaic_unsupported_reason(x, params.gate_up, params.down) is None
+
+
 def extra_case(fmt, t: int):
     """(main stack's keywords, the extra stack's, ``ExtraExperts``, x [t, H], ids [t, 3]): two
     routed slots and the shared expert (id E) in the third."""
