@@ -133,11 +133,12 @@ NUM_STAGES_WIDE = 2  # the same for FP4 steps of 192 / 256 (20 / 16 / 12 KB a st
 #   tokens +7% / +10% busy, MXFP4 +2.5% / +4%, session 30)
 FP4_PARTS = 2  # wgmmas an FP4 K step of 256 is dotted in (1, 2 or 4; compiled only; 4: fewer
 #   registers, one more CTA an SM, yet +2.5-3% on Qwen3 NVFP4 on the H200: NOTES, session 28)
-FP4_STEPS = (256, 192)  # FP4 K step widths, the first that divides K (else 128 / 64). 320 (five
-#   parts of 64) takes gpt-oss's 2880 in 9 steps instead of 15 of 192: offline SASS (with
-#   FP4_PARTS_192=3), the K loop per code word 29.5 -> 27.2 instructions (MXFP4),
-#   28.4 -> 26.6 (NVFP4), for 64 -> 72 registers (8 -> 7 CTAs an SM). H200, gpt-oss MXFP4 busy
-#   us, 192 -> 320: 1 token 37.5 -> 38.3, 8 tokens 152 -> 150 (mixed: NOTES, session 33)
+FP4_STEPS = (256, 192)  # FP4 K step widths, the first that divides K (else FP4_RAGGED_STEP's,
+#   else 128 / 64). 320 (five parts of 64) takes gpt-oss's 2880 in 9 steps instead of 15 of
+#   192: offline SASS (with FP4_PARTS_192=3), the K loop per code word 29.5 -> 27.2
+#   instructions (MXFP4), 28.4 -> 26.6 (NVFP4), for 64 -> 72 registers (8 -> 7 CTAs an SM).
+#   H200, gpt-oss MXFP4 busy us, 192 -> 320: 1 token 37.5 -> 38.3, 8 tokens 152 -> 150
+#   (mixed: NOTES, session 33)
 FP4_RAGGED_STEP: int | None = 256  # FP4 K steps of 256 where no FP4_STEPS width divides K (a
 #   multiple of 64) and they are fewer than the narrow steps of 128 / 64, the last step ragged
 #   (codes and activations zero past K, the scale loads kept on the row's groups): Gemma-4's

@@ -66,8 +66,8 @@ T = 64  # tokens a step: the S^T wgmma's M, the O^T wgmma's K
 HEAD_DIM = 128  # the one head_dim (a K / V row is one 128-byte swizzled SMEM row)
 MAX_ROWS = 64  # query rows R a program (N = 2R <= 128 of the S^T wgmma)
 # The most query rows "auto" takes this kernel for: past 32 it spills registers and lost to the
-# Triton FP8 kernel 3-5x (H100 SXM, B 32 16k, 64/4 heads: R 48 0.32x, R 64 0.21x; R 24 / 32
-# 1.2x / 1.02x; NOTES session 37). "mosaic" still runs up to MAX_ROWS.
+# Triton FP8 kernel 3-5x (H100 SXM, B 32 16k, 64/4 heads: R 48 0.32x, R 64 0.21x; 32/4 heads:
+# R 24 1.2x, R 32 1.02x; NOTES session 37). "mosaic" still runs up to MAX_ROWS.
 AUTO_MAX_ROWS = 32
 PAGE_SIZES = (8, 16, 32, 64)
 LOG2E = math.log2(math.e)
