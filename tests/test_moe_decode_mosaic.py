@@ -479,11 +479,11 @@ def test_compiled_slot_matmul_fp4_ragged_k(fmt, k, k_splits, item_rows):
 
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda f: f.value)
 def test_pairs_fp4_ragged_step(monkeypatch, fmt):
-    """``FP4_RAGGED_STEP`` through the decode step (``FP4_STEPS`` 256 only, so that H takes it too):
-    H = 192 and I = 320 in steps of 256 (one ragged step; two, the last ragged), x's and h's rows
-    padded to whole steps (``rows.row_width``; the one launch's h program writes zeros past I), at 1
-    and 3 tokens (three launches) and 12 (both), gpt-oss's activation with biases. Each equals the
-    reference."""
+    """``FP4_RAGGED_STEP`` through the decode step (``FP4_STEPS`` 256 only, so that H takes it
+    too): H = 192 and I = 320 in steps of 256 (one ragged step; two, the last ragged), x's and
+    h's rows padded to whole steps (``rows.row_width``; the one launch's h program writes zeros
+    past I), at 1 and 3 tokens (three launches) and 12 (both), gpt-oss's activation with biases.
+    Each equals the reference."""
     kw = arrays(fmt, inter=320, bias=True)
     variant = dict(activation="gpt_oss", gate_up_layout="interleaved", limit=3.0)
     with mosaic_constants(monkeypatch, FP4_STEPS=(256,), FP4_RAGGED_STEP=256):
@@ -1037,7 +1037,7 @@ def test_choose_k_splits(monkeypatch):
         assert ragged_256.block_k == 256 and ragged_256.num_stages == mosaic.NUM_STAGES_WIDE
         assert [choose_slot_tile(k, fmt=fmt).block_k for k in (1408, 640, 320, 128, 64)] == [
             256, 256, 256, 128, 64]
-        assert choose_slot_tile(704, fmt="fp8").block_k == 128  # FP8: 128, the last ragged
+    assert choose_slot_tile(704, fmt="fp8").block_k == 128  # FP8: 128, the last ragged
     monkeypatch.setattr(mosaic, "FP4_RAGGED_STEP", None)  # off: 128 / 64
     assert [choose_slot_tile(k, fmt="nvfp4").block_k for k in (704, 1408, 640, 320, 2880)] == [
         64, 128, 128, 64, 192]
@@ -1330,10 +1330,10 @@ class TestLowersForHopper:
 
     @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=lambda v: v.value)
     def test_fp4_ragged_step_lowers(self, monkeypatch, fmt):
-        """``FP4_RAGGED_STEP`` (``FP4_STEPS`` 256 only): gpt-oss's gate_up (K of 2880) in 12 steps
-        of 256, the last ragged (32-byte code swizzle, clamped scale loads), alone and K split in
-        three; its one launch (the h program's rows padded, zeros past I); its own-h down launch
-        (the last split's h tile zero past I)."""
+        """``FP4_RAGGED_STEP`` (``FP4_STEPS`` 256 only): gpt-oss's gate_up (K of 2880) in 12
+        steps of 256, the last ragged (32-byte code swizzle, clamped scale loads), alone and K
+        split in three; its one launch (the h program's rows padded, zeros past I); its own-h
+        down launch (the last split's h tile zero past I)."""
         with mosaic_constants(monkeypatch, FP4_STEPS=(256,), FP4_RAGGED_STEP=256):
             assert choose_slot_tile(2880, fmt=format_name(fmt, None)).block_k == 256
             self.lower_slot_matmul(fmt, 5760, 2880, 3)
