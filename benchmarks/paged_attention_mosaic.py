@@ -94,14 +94,15 @@ SWEEP = [((32, 16384, 32, 4), (3, 4, 6), (None, 1, 2, 4, 6)),
 
 def sweep(case, stage_counts, split_counts, hbm: float) -> list[dict]:
     """Mosaic variants (stages, splits; None: ``choose_splits``) on one case."""
-    b, ctx, hq, hk = case
-    xs = queries(jax.random.key(1), b, hq, D)
+    b, ctx, hq, hk, *q_len = case
+    q_len = q_len[0] if q_len else 1
+    xs = queries(jax.random.key(1), b, hq, D, q_len=q_len)
     cache = make_cache(jax.random.key(0), b, ctx, hk, D, "fp8")
     nbytes = b * ctx * kv_bytes_per_token("fp8", hk, D)
     rows = []
     for stages in stage_counts:
         for splits in split_counts:
-            row = dict(B=b, ctx=ctx, heads=f"{hq}/{hk}", stages=stages,
+            row = dict(B=b, ctx=ctx, heads=f"{hq}/{hk}", Q=q_len, stages=stages,
                        splits="auto" if splits is None else splits)
             try:
                 t, busy = timed(mosaic_step(num_stages=stages, num_splits=splits), cache, xs)
@@ -119,6 +120,11 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", help="B,CTX,HQ,HK[,Q] each")
     parser.add_argument("--sweep", action="store_true",
                         help="also time Mosaic stages x splits (SWEEP: B 32 16k, B 1 32k)")
+    parser.add_argument("--sweep-cases", nargs="+", metavar="B,CTX,HQ,HK[,Q]",
+                        help="--sweep these cases instead (--sweep-stages x --sweep-splits)")
+    parser.add_argument("--sweep-stages", nargs="+", type=int, default=[3, 4, 6])
+    parser.add_argument("--sweep-splits", nargs="+", type=int, default=[1, 2, 4, 6],
+                        help="--sweep-cases: splits besides choose_splits' (default 1 2 4 6)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cases = [tuple(int(v) for v in c.split(",")) for c in args.cases] if args.cases else CASES
@@ -128,7 +134,10 @@ def main() -> None:
     cols = list(dict.fromkeys(c for r in rows for c in r))
     text = f"HBM copy {hbm / 1e12:.2f} TB/s\n\n" + table(rows, cols)
     if args.sweep:
-        swept = [row for case in SWEEP for row in sweep(*case, hbm)]
+        todo = SWEEP if not args.sweep_cases else [
+            (tuple(int(v) for v in c.split(",")), args.sweep_stages, (None, *args.sweep_splits))
+            for c in args.sweep_cases]
+        swept = [row for case in todo for row in sweep(*case, hbm)]
         text += "\n\n" + table(swept, list(swept[0]))
     print(text)
     if args.out:

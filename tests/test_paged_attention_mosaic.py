@@ -21,7 +21,9 @@ from pallas_kernels.paged_attention.config import KVDtype
 from pallas_kernels.paged_attention.mosaic import (
     MAX_ROWS,
     P_SHIFT,
+    RESIDENT_PROGRAMS,
     T,
+    choose_splits,
     k_of_token,
     paged_decode_mosaic,
     query_terms,
@@ -70,6 +72,24 @@ def test_unsupported_reasons():
     assert "page_size 128" in unsupported_reason("fp8", 128, 128, 8, None)
     assert "query rows" in unsupported_reason("fp8", 128, 16, MAX_ROWS + 1, None)
     assert "softcap" in unsupported_reason(KVDtype.FP8, 128, 16, 8, 30.0)
+
+
+@pytest.mark.parametrize("batch,hk,ctx,want", [
+    (32, 4, 16384, 2), (8, 4, 16384, 8), (1, 4, 32768, 66), (32, 8, 16384, 2),
+    (128, 4, 4096, 1), (32, 4, 4096, 2), (1, 4, 512, 2), (2, 1, 64, 1)])
+def test_choose_splits_fills_whole_waves(batch, hk, ctx, want):
+    """Splits up to ~2 programs an SM, each >= 4 steps, at the count whose last wave of
+    ``RESIDENT_PROGRAMS`` an SM is fullest: B 32 4 kv heads take 2 (256 programs: one wave on
+    132 SMs), not the 3 that made 384 (1.45 waves, 20-25% slower on an H100, NOTES session 38);
+    B 8 takes 8, not 9."""
+    sms, page = 132, 16
+    got = choose_splits(batch, hk, ctx // page, page, sms)
+    assert got == want
+    steps, programs, slots = ctx // T, batch * hk, RESIDENT_PROGRAMS * sms
+    assert got >= 1 and (got == 1 or got <= steps // 4)
+    waves = -(-programs * got // slots)
+    for s in range(1, min(-(-2 * sms // programs), steps // 4) + 1):  # none fills waves better
+        assert programs * s / (-(-programs * s // slots)) <= programs * got / waves
 
 
 def _abstract(b, q_len, hq, hk, p, n=64, pt=16):

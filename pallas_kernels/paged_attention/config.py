@@ -92,7 +92,7 @@ def _pages_per_step(tokens: int, page_size: int, max_pages: int) -> int:
 RESIDENT_PROGRAMS = {KVDtype.FP8: 2}
 
 
-def _wave_efficiency(programs: int, slots: int) -> float:
+def wave_efficiency(programs: int, slots: int) -> float:
     """Busy fraction of the resident-program slots over the waves ``programs`` take."""
     return programs / (slots * -(-programs // slots))
 
@@ -210,7 +210,7 @@ def choose_decode_config(
       num_kv_heads`` programs are split along the sequence up to about two programs per SM,
       at the split count whose last wave of resident programs is fullest
       (``RESIDENT_PROGRAMS`` per SM: 2 for FP8 pages, 3 for the others;
-      ``_wave_efficiency``, ties to more splits), but each split keeps >= 2 loop steps of the
+      ``wave_efficiency``, ties to more splits), but each split keeps >= 2 loop steps of the
       table's capacity (shorter splits spend more on the reduce and on the pipeline prologue
       than they win). With ``sm_count=None`` (no GPU: interpret mode) there is one split. On
       the H200 that gives FP8 2 splits at B32 (1.45 -> 0.97 waves, 21% less GPU time) and
@@ -241,7 +241,7 @@ def choose_decode_config(
         steps = -(-max_pages // pages_per_step)
         slots = RESIDENT_PROGRAMS.get(kv_dtype, 3) * sm_count  # programs resident at once
         top = max(1, min(-(-2 * sm_count // programs), steps // 2, 4096))
-        num_splits = max(range(1, top + 1), key=lambda s: (_wave_efficiency(programs * s, slots),
+        num_splits = max(range(1, top + 1), key=lambda s: (wave_efficiency(programs * s, slots),
                                                            s))
 
     # Pipelining depth: raw K+V bytes of one step in shared memory, within ~160 KB (FP8: 2,

@@ -26,7 +26,7 @@ of one kv head (GQA packing), split ``s`` of sequence ``b``'s 64-token steps (as
 kernel cuts them). K and V pages come by TMA, ``num_stages`` steps in flight; the page ids of
 a step are read from the block table in GMEM. Each program writes its normalized partial
 ``o`` and log-sum-exp, combined (with the sinks) by ``decode.combine`` as the Triton path's
-splits are.
+splits are. Splits (``choose_splits``): whole waves of ``RESIDENT_PROGRAMS`` programs an SM.
 
 Limits (``unsupported_reason``): FP8 pages, head_dim 128, page size 8 / 16 / 32 / 64, ``R <=
 64``, no logit softcap; everything else (sliding window, sinks, Q = 1..4, ragged lengths)
@@ -60,15 +60,21 @@ from pallas_kernels._mgpu import i32 as _i32
 from pallas_kernels._mgpu import load as _load
 from pallas_kernels._mgpu import thread_rows as _thread_rows
 from pallas_kernels.paged_attention import decode as dec
-from pallas_kernels.paged_attention.config import KVDtype
+from pallas_kernels.paged_attention.config import KVDtype, wave_efficiency
 
 T = 64  # tokens a step: the S^T wgmma's M, the O^T wgmma's K
 HEAD_DIM = 128  # the one head_dim (a K / V row is one 128-byte swizzled SMEM row)
 MAX_ROWS = 64  # query rows R a program (N = 2R <= 128 of the S^T wgmma)
 # The most query rows "auto" takes this kernel for: past 32 it spills registers and lost to the
 # Triton FP8 kernel 3-5x (H100 SXM, B 32 16k, 64/4 heads: R 48 0.32x, R 64 0.21x; 32/4 heads:
-# R 24 1.2x, R 32 1.02x; NOTES session 37). "mosaic" still runs up to MAX_ROWS.
+# R 24 1.2x, R 32 1.02x; NOTES session 37; 3 splits). With whole-wave splits (2 at B 32, 8 at
+# B 8): R 16 1.01-1.02x, R 24 1.55x (session 38). "mosaic" still runs up to MAX_ROWS.
 AUTO_MAX_ROWS = 32
+# Programs resident on an SM (registers: 128-254 a thread at R 8-32, one warpgroup; SMEM).
+# Splits that fill whole waves of 2 an SM: H100 SXM, B 32 16k 4 kv heads, R 8 / 16 / 24 / 32
+# 3 -> 2 splits 219 -> 214 / 283 -> 225 / 326 -> 248 / 393 -> 294 us; B 8 R 16 9 -> 8 splits
+# 92 -> 71 us (NOTES session 38).
+RESIDENT_PROGRAMS = 2
 PAGE_SIZES = (8, 16, 32, 64)
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -621,10 +627,13 @@ def unsupported_reason(kv_dtype, head_dim: int, page_size: int, rows: int,
 
 def choose_splits(batch: int, num_kv_heads: int, max_pages: int, page_size: int,
                   sm_count: int) -> int:
-    """Splits of each sequence: enough programs for ~2 per SM, each split >= 4 steps."""
+    """Splits of each sequence: up to ~2 programs per SM, each split >= 4 steps, at the split
+    count whose last wave of ``RESIDENT_PROGRAMS`` per SM is fullest (ties to more splits)."""
     steps = -(-max_pages * page_size // T)
     programs = batch * num_kv_heads
-    return max(1, min(-(-2 * sm_count // programs), steps // 4, 4096))
+    top = max(1, min(-(-2 * sm_count // programs), steps // 4, 4096))
+    slots = RESIDENT_PROGRAMS * sm_count
+    return max(range(1, top + 1), key=lambda s: (wave_efficiency(programs * s, slots), s))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "num_splits",
