@@ -967,7 +967,8 @@ def test_blocked_radix_plan_lowers_for_h200(t, k, e):
 @pytest.mark.parametrize("fmt", [FP8, BF16], ids=lambda v: v.value)
 def test_fused_by_default_at_fuse_mlp_tokens(fmt):
     """``fused=None`` takes the one launch for f16 activations from ``FUSE_MLP_TOKENS[0]`` to
-    ``[1]`` tokens (the H200's timings) and the three launches elsewhere and for BF16."""
+    ``[1]`` tokens (the H200's and H100's timings) and the three launches elsewhere and for
+    BF16."""
     lo, hi = mosaic.FUSE_MLP_TOKENS
     kw = arrays(fmt)
     for t in (1, lo - 1, lo, hi, hi + 1):

@@ -1541,7 +1541,9 @@ def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, row_fact
 # 2 39.0 -> 41.0; gpt-oss MXFP4 1 48.9 -> 53.9, and 45.1 -> 47.2 with windows of 8 (session
 # 25). Not explained yet: a waiting program polls with one thread (the others at a barrier),
 # so its issue slots are few; the down programs' weight stream only starts after their wait.
-FUSE_MLP_TOKENS = (8, 32)
+# From 5 tokens (H100 SXM, Qwen3, busy time, one round; NOTES session 38): NVFP4 3 / 4 / 5 / 6
+# tokens +2.8 / -2.3 / -6.2 / -11.5%, FP8 +2.4 / +1.6 / +0.3 / -6.0% (MXFP4 not timed).
+FUSE_MLP_TOKENS = (5, 32)
 # The h program's shape. ptxas (sm_90a, offline) counts for Qwen3 FP8 the launch's registers a
 # thread: 92 at 1 or 2 rows a program (the slot_matmul kernels alone: 88 / 89), 120 at 4 rows
 # (16-byte chunks kept: 4 CTAs an SM on the H200, measured), 133 at 4 rows recomputed, 254 at
