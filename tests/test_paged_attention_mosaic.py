@@ -80,7 +80,7 @@ def test_unsupported_reasons():
 def test_choose_splits_fills_whole_waves(batch, hk, ctx, want):
     """Splits up to ~2 programs an SM, each >= 4 steps, at the count whose last wave of
     ``RESIDENT_PROGRAMS`` an SM is fullest: B 32 4 kv heads take 2 (256 programs: one wave on
-    132 SMs), not the 3 that made 384 (1.45 waves, 20-25% slower on an H100, NOTES session 38);
+    132 SMs), not the 3 that made 384 (1.45 waves, 26-34% slower on an H100, NOTES session 38);
     B 8 takes 8, not 9."""
     sms, page = 132, 16
     got = choose_splits(batch, hk, ctx // page, page, sms)

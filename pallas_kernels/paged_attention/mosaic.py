@@ -70,7 +70,8 @@ MAX_ROWS = 64  # query rows R a program (N = 2R <= 128 of the S^T wgmma)
 # R 24 1.2x, R 32 1.02x; NOTES session 37; 3 splits). With whole-wave splits (2 at B 32, 8 at
 # B 8): R 16 1.01-1.02x, R 24 1.55x (session 38). "mosaic" still runs up to MAX_ROWS.
 AUTO_MAX_ROWS = 32
-# Programs resident on an SM (registers: 128-254 a thread at R 8-32, one warpgroup; SMEM).
+# Programs an SM the splits plan for: two fit by registers at R 16-32 (181-254 a thread, one
+# warpgroup; offline ptxas, NOTES session 37); at R 8 (128) 2 splits still beat 3.
 # Splits that fill whole waves of 2 an SM: H100 SXM, B 32 16k 4 kv heads, R 8 / 16 / 24 / 32
 # 3 -> 2 splits 219 -> 214 / 283 -> 225 / 326 -> 248 / 393 -> 294 us; B 8 R 16 9 -> 8 splits
 # 92 -> 71 us (NOTES session 38).
