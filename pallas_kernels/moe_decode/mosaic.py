@@ -365,8 +365,9 @@ def _kernel(
 # -> own h (session 33): Qwen3 NVFP4 1 / 3 tokens 20.8 -> 19.6 / 35.1 -> 34.5, FP8 1 token 23.0
 # -> 22.2; gpt-oss MXFP4 1 token 39.3 -> 37.5. Each of an item's N / 64 down programs remakes
 # the item's h, so the L2 reads grow with its rows (Qwen3 at 64 tokens: ~4 rows, ~100 MB a
-# step against the h launch's ~3 MB); up to this many tokens (the range below the one launch,
-# where it was timed; 0: never).
+# step against the h launch's ~3 MB); up to this many tokens (the range below session 24's one
+# launch, where it was timed; the one launch now starts at 5, so 5-7 only with fused=False;
+# 0: never).
 DOWN_MAKES_H_TOKENS = 7
 # ... where its h tile (f16 ``[window, K / k_splits]`` in SMEM, beside the pipeline's stages) is
 # at most this many bytes, else the h launch. The timed tiles (session 33): Qwen3 6-12 KB,
