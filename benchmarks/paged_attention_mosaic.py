@@ -114,20 +114,25 @@ def sweep(case, stage_counts, split_counts, hbm: float) -> list[dict]:
     return rows
 
 
+def case_arg(text: str) -> tuple[int, ...]:
+    """``B,CTX,HQ,HK[,Q]`` -> a tuple of ints."""
+    return tuple(int(v) for v in text.split(","))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", help="B,CTX,HQ,HK[,Q] each")
+    parser.add_argument("--cases", nargs="+", type=case_arg, help="B,CTX,HQ,HK[,Q] each")
     parser.add_argument("--sweep", action="store_true",
                         help="also time Mosaic stages x splits (SWEEP: B 32 16k, B 1 32k)")
-    parser.add_argument("--sweep-cases", nargs="+", metavar="B,CTX,HQ,HK[,Q]",
+    parser.add_argument("--sweep-cases", nargs="+", type=case_arg, metavar="B,CTX,HQ,HK[,Q]",
                         help="--sweep these cases instead (--sweep-stages x --sweep-splits)")
     parser.add_argument("--sweep-stages", nargs="+", type=int, default=[3, 4, 6])
     parser.add_argument("--sweep-splits", nargs="+", type=int, default=[1, 2, 4, 6],
                         help="--sweep-cases: splits besides choose_splits' (default 1 2 4 6)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    cases = [tuple(int(v) for v in c.split(",")) for c in args.cases] if args.cases else CASES
+    cases = args.cases or CASES
     print(f"{datetime.date.today()} {jax.devices()[0].device_kind}", flush=True)
     hbm = hbm_copy_bandwidth()
     rows = bench(cases, hbm)
@@ -135,8 +140,7 @@ def main() -> None:
     text = f"HBM copy {hbm / 1e12:.2f} TB/s\n\n" + table(rows, cols)
     if args.sweep:
         todo = SWEEP if not args.sweep_cases else [
-            (tuple(int(v) for v in c.split(",")), args.sweep_stages, (None, *args.sweep_splits))
-            for c in args.sweep_cases]
+            (c, args.sweep_stages, (None, *args.sweep_splits)) for c in args.sweep_cases]
         swept = [row for case in todo for row in sweep(*case, hbm)]
         text += "\n\n" + table(swept, list(swept[0]))
     print(text)

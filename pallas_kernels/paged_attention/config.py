@@ -92,9 +92,18 @@ def _pages_per_step(tokens: int, page_size: int, max_pages: int) -> int:
 RESIDENT_PROGRAMS = {KVDtype.FP8: 2}
 
 
-def wave_efficiency(programs: int, slots: int) -> float:
+def _wave_efficiency(programs: int, slots: int) -> float:
     """Busy fraction of the resident-program slots over the waves ``programs`` take."""
     return programs / (slots * -(-programs // slots))
+
+
+def wave_splits(programs: int, sm_count: int, resident: int, most: int) -> int:
+    """Splits of each of ``programs`` programs (a sequence's kv head): up to about two programs
+    per SM and at most ``most``, the count whose last wave of ``resident`` programs per SM is
+    fullest (``_wave_efficiency``; ties to more splits)."""
+    top = max(1, min(-(-2 * sm_count // programs), most, 4096))
+    slots = resident * sm_count  # programs resident at once
+    return max(range(1, top + 1), key=lambda s: (_wave_efficiency(programs * s, slots), s))
 
 
 def _num_stages(tile: int, kv_dtype: KVDtype, budget_kb: int, most: int) -> int:
@@ -210,7 +219,7 @@ def choose_decode_config(
       num_kv_heads`` programs are split along the sequence up to about two programs per SM,
       at the split count whose last wave of resident programs is fullest
       (``RESIDENT_PROGRAMS`` per SM: 2 for FP8 pages, 3 for the others;
-      ``wave_efficiency``, ties to more splits), but each split keeps >= 2 loop steps of the
+      ``wave_splits``, ties to more splits), but each split keeps >= 2 loop steps of the
       table's capacity (shorter splits spend more on the reduce and on the pipeline prologue
       than they win). With ``sm_count=None`` (no GPU: interpret mode) there is one split. On
       the H200 that gives FP8 2 splits at B32 (1.45 -> 0.97 waves, 21% less GPU time) and
@@ -237,12 +246,9 @@ def choose_decode_config(
 
     num_splits = 1
     if sm_count is not None and sm_count > 0:
-        programs = batch * num_kv_heads
         steps = -(-max_pages // pages_per_step)
-        slots = RESIDENT_PROGRAMS.get(kv_dtype, 3) * sm_count  # programs resident at once
-        top = max(1, min(-(-2 * sm_count // programs), steps // 2, 4096))
-        num_splits = max(range(1, top + 1), key=lambda s: (wave_efficiency(programs * s, slots),
-                                                           s))
+        num_splits = wave_splits(batch * num_kv_heads, sm_count,
+                                 RESIDENT_PROGRAMS.get(kv_dtype, 3), steps // 2)
 
     # Pipelining depth: raw K+V bytes of one step in shared memory, within ~160 KB (FP8: 2,
     # measured faster than 3-4 on the H200, B32 4k-16k and B1 32k).

@@ -60,7 +60,7 @@ from pallas_kernels._mgpu import i32 as _i32
 from pallas_kernels._mgpu import load as _load
 from pallas_kernels._mgpu import thread_rows as _thread_rows
 from pallas_kernels.paged_attention import decode as dec
-from pallas_kernels.paged_attention.config import KVDtype, wave_efficiency
+from pallas_kernels.paged_attention.config import KVDtype, wave_splits
 
 T = 64  # tokens a step: the S^T wgmma's M, the O^T wgmma's K
 HEAD_DIM = 128  # the one head_dim (a K / V row is one 128-byte swizzled SMEM row)
@@ -631,10 +631,7 @@ def choose_splits(batch: int, num_kv_heads: int, max_pages: int, page_size: int,
     """Splits of each sequence: up to ~2 programs per SM, each split >= 4 steps, at the split
     count whose last wave of ``RESIDENT_PROGRAMS`` per SM is fullest (ties to more splits)."""
     steps = -(-max_pages * page_size // T)
-    programs = batch * num_kv_heads
-    top = max(1, min(-(-2 * sm_count // programs), steps // 4, 4096))
-    slots = RESIDENT_PROGRAMS * sm_count
-    return max(range(1, top + 1), key=lambda s: (wave_efficiency(programs * s, slots), s))
+    return wave_splits(batch * num_kv_heads, sm_count, RESIDENT_PROGRAMS, steps // 4)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "num_splits",
