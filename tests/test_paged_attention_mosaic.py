@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels._device import abstract_gpu
-from pallas_kernels.paged_attention.config import KVDtype
+from pallas_kernels.paged_attention.config import FULL_WAVE, KVDtype, wave_splits
 from pallas_kernels.paged_attention.mosaic import (
     MAX_ROWS,
     P_SHIFT,
@@ -75,21 +75,38 @@ def test_unsupported_reasons():
 
 
 @pytest.mark.parametrize("batch,hk,ctx,want", [
-    (32, 4, 16384, 2), (8, 4, 16384, 8), (1, 4, 32768, 66), (32, 8, 16384, 2),
+    (32, 4, 16384, 2), (8, 4, 16384, 8), (1, 4, 32768, 66), (32, 8, 16384, 1),
+    (64, 4, 16384, 1), (32, 8, 4096, 1), (24, 8, 16384, 2), (20, 8, 16384, 2),
     (128, 4, 4096, 1), (32, 4, 4096, 2), (1, 4, 512, 2), (2, 1, 64, 1)])
 def test_choose_splits_fills_whole_waves(batch, hk, ctx, want):
     """Splits up to ~2 programs an SM, each >= 4 steps, at the count whose last wave of
     ``RESIDENT_PROGRAMS`` an SM is fullest: B 32 4 kv heads take 2 (256 programs: one wave on
     132 SMs), not the 3 that made 384 (1.45 waves, 26-34% slower on an H100, NOTES session 38);
-    B 8 takes 8, not 9."""
+    B 8 takes 8, not 9. Tied counts: 256 programs (a wave 0.97 full at 1 split or 2) take 1
+    (19-22% faster on an H100 at R 8, NOTES session 39), 192 / 160 (0.73 / 0.61) take 2 (1
+    split 15% / 27% slower)."""
     sms, page = 132, 16
     got = choose_splits(batch, hk, ctx // page, page, sms)
     assert got == want
     steps, programs, slots = ctx // T, batch * hk, RESIDENT_PROGRAMS * sms
     assert got >= 1 and (got == 1 or got <= steps // 4)
-    waves = -(-programs * got // slots)
+
+    def fill(s):
+        return programs * s / (slots * -(-programs * s // slots))
+
     for s in range(1, min(-(-2 * sms // programs), steps // 4) + 1):  # none fills waves better
-        assert programs * s / (-(-programs * s // slots)) <= programs * got / waves
+        assert fill(s) <= fill(got)
+        if fill(s) == fill(got):  # a tie: the fewest where nearly full, else the most
+            assert s >= got if fill(got) >= FULL_WAVE else s <= got
+
+
+def test_wave_splits_ties():
+    """The Triton FP8 config's rule keeps ties at more splits (2 splits 2-5% faster than 1 at
+    256 programs on an H100, NOTES session 39); ``fewer_when_full`` only changes full waves."""
+    assert wave_splits(256, 132, 2, 64) == 2
+    assert wave_splits(256, 132, 2, 64, fewer_when_full=True) == 1
+    assert wave_splits(192, 132, 2, 64) == wave_splits(192, 132, 2, 64, True) == 2
+    assert wave_splits(4, 132, 2, 128) == wave_splits(4, 132, 2, 128, True) == 66
 
 
 def _abstract(b, q_len, hq, hk, p, n=64, pt=16):

@@ -366,7 +366,7 @@ def _kernel(
 # -> 22.2; gpt-oss MXFP4 1 token 39.3 -> 37.5. Each of an item's N / 64 down programs remakes
 # the item's h, so the L2 reads grow with its rows (Qwen3 at 64 tokens: ~4 rows, ~100 MB a
 # step against the h launch's ~3 MB); up to this many tokens (the range below session 24's one
-# launch, where it was timed; the one launch now starts at 5, so 5-7 only with fused=False;
+# launch, where it was timed; the one launch now starts at 4, so 4-7 only with fused=False;
 # 0: never).
 DOWN_MAKES_H_TOKENS = 7
 # ... where its h tile (f16 ``[window, K / k_splits]`` in SMEM, beside the pipeline's stages) is
@@ -1542,9 +1542,12 @@ def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, row_fact
 # 2 39.0 -> 41.0; gpt-oss MXFP4 1 48.9 -> 53.9, and 45.1 -> 47.2 with windows of 8 (session
 # 25). Not explained yet: a waiting program polls with one thread (the others at a barrier),
 # so its issue slots are few; the down programs' weight stream only starts after their wait.
-# From 5 tokens (H100 SXM, Qwen3, busy time, one round; NOTES session 38): NVFP4 3 / 4 / 5 / 6
-# tokens +2.8 / -2.3 / -6.2 / -11.5%, FP8 +2.4 / +1.6 / +0.3 / -6.0% (MXFP4 not timed).
-FUSE_MLP_TOKENS = (5, 32)
+# From 4 tokens (H100 SXM, busy time, one launch against three; NOTES sessions 38-39), 3 / 4 /
+# 5 / 6 tokens: Qwen3 NVFP4 +2.8 / -2.3 / -6.2 / -11.5%, MXFP4 +2.8 / -4.1 / -5.9 / -10.6%, FP8
+# +2.4 / +1.6 / +0.3 / -6.0%; gpt-oss MXFP4 -7.3 / -8.0 / -11.2 / -7.9%, NVFP4 -5.5 / -8.0 /
+# -9.7 / -7.1%, FP8 at 4 -7.2%; DeepSeek-V3 at 4 / 5 / 6 NVFP4 -6.4 / -3.5 / -3.9%, FP8 -3.2 /
+# -2.8 / -1.8%. At 3 tokens gpt-oss gains and Qwen3 loses; Qwen3 FP8 at 4 the one loss kept.
+FUSE_MLP_TOKENS = (4, 32)
 # The h program's shape. ptxas (sm_90a, offline) counts for Qwen3 FP8 the launch's registers a
 # thread: 92 at 1 or 2 rows a program (the slot_matmul kernels alone: 88 / 89), 120 at 4 rows
 # (16-byte chunks kept: 4 CTAs an SM on the H200, measured), 133 at 4 rows recomputed, 254 at

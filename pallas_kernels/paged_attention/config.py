@@ -92,18 +92,33 @@ def _pages_per_step(tokens: int, page_size: int, max_pages: int) -> int:
 RESIDENT_PROGRAMS = {KVDtype.FP8: 2}
 
 
+# A wave this full ties to fewer splits in ``wave_splits(fewer_when_full=True)``. The Mosaic FP8
+# kernel, 1 against 2 splits (H100 SXM, NOTES session 39): at a fill of 0.97 (256 programs)
+# 1 split 1-22% faster, at 0.73 / 0.61 (192 / 160) 15% / 27% slower. The Triton FP8 kernel
+# keeps more splits at 0.97 (2 splits 2-5% faster there).
+FULL_WAVE = 0.9
+
+
 def _wave_efficiency(programs: int, slots: int) -> float:
     """Busy fraction of the resident-program slots over the waves ``programs`` take."""
     return programs / (slots * -(-programs // slots))
 
 
-def wave_splits(programs: int, sm_count: int, resident: int, most: int) -> int:
+def wave_splits(programs: int, sm_count: int, resident: int, most: int,
+                fewer_when_full: bool = False) -> int:
     """Splits of each of ``programs`` programs (a sequence's kv head): up to about two programs
     per SM and at most ``most``, the count whose last wave of ``resident`` programs per SM is
-    fullest (``_wave_efficiency``; ties to more splits)."""
+    fullest (``_wave_efficiency``). Ties go to more splits (every SM busy from the start),
+    except with ``fewer_when_full`` where the tied waves are at least ``FULL_WAVE`` full: then
+    more splits only add prologues and combine work (the Mosaic FP8 kernel, NOTES session 39)."""
     top = max(1, min(-(-2 * sm_count // programs), most, 4096))
     slots = resident * sm_count  # programs resident at once
-    return max(range(1, top + 1), key=lambda s: (_wave_efficiency(programs * s, slots), s))
+
+    def key(s: int) -> tuple[float, int]:
+        fill = _wave_efficiency(programs * s, slots)
+        return fill, -s if fewer_when_full and fill >= FULL_WAVE else s
+
+    return max(range(1, top + 1), key=key)
 
 
 def _num_stages(tile: int, kv_dtype: KVDtype, budget_kb: int, most: int) -> int:

@@ -26,7 +26,8 @@ of one kv head (GQA packing), split ``s`` of sequence ``b``'s 64-token steps (as
 kernel cuts them). K and V pages come by TMA, ``num_stages`` steps in flight; the page ids of
 a step are read from the block table in GMEM. Each program writes its normalized partial
 ``o`` and log-sum-exp, combined (with the sinks) by ``decode.combine`` as the Triton path's
-splits are. Splits (``choose_splits``): whole waves of ``RESIDENT_PROGRAMS`` programs an SM.
+splits are. Splits (``choose_splits``): whole waves of ``RESIDENT_PROGRAMS`` programs an SM
+(of tied counts that fill a wave the fewest).
 
 Limits (``unsupported_reason``): FP8 pages, head_dim 128, page size 8 / 16 / 32 / 64, ``R <=
 64``, no logit softcap; everything else (sliding window, sinks, Q = 1..4, ragged lengths)
@@ -629,9 +630,11 @@ def unsupported_reason(kv_dtype, head_dim: int, page_size: int, rows: int,
 def choose_splits(batch: int, num_kv_heads: int, max_pages: int, page_size: int,
                   sm_count: int) -> int:
     """Splits of each sequence: up to ~2 programs per SM, each split >= 4 steps, at the split
-    count whose last wave of ``RESIDENT_PROGRAMS`` per SM is fullest (ties to more splits)."""
+    count whose last wave of ``RESIDENT_PROGRAMS`` per SM is fullest; of tied counts whose
+    waves are nearly full (``config.FULL_WAVE``) the fewest, else the most."""
     steps = -(-max_pages * page_size // T)
-    return wave_splits(batch * num_kv_heads, sm_count, RESIDENT_PROGRAMS, steps // 4)
+    return wave_splits(batch * num_kv_heads, sm_count, RESIDENT_PROGRAMS, steps // 4,
+                       fewer_when_full=True)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "num_splits",
