@@ -74,7 +74,8 @@ fused by XLA). Up to ``DOWN_MAKES_H_TOKENS`` tokens the down programs make their
 the gate_up output (``slot_matmul(h_source=)``) and the h launch goes. Up to 64 pairs the plan
 and x's rows are one launch (``rows.plan_x_rows``): four (three with the down programs' own h).
 BF16 weights take bf16 rows gathered by XLA. With f16
-activations at ``FUSE_MLP_TOKENS`` tokens (``fused``) gate_up, h and down are one launch
+activations at ``FUSE_MLP_TOKENS`` tokens (from one fewer for experts of at least
+``FUSE_MLP_EARLY_WEIGHTS`` down weights; ``fused``) gate_up, h and down are one launch
 (``slot_mlp``) whose programs wait on GMEM semaphores (the comment above ``slot_mlp``).
 """
 
@@ -366,8 +367,8 @@ def _kernel(
 # -> 22.2; gpt-oss MXFP4 1 token 39.3 -> 37.5. Each of an item's N / 64 down programs remakes
 # the item's h, so the L2 reads grow with its rows (Qwen3 at 64 tokens: ~4 rows, ~100 MB a
 # step against the h launch's ~3 MB); up to this many tokens (the range below session 24's one
-# launch, where it was timed; the one launch now starts at 4, so 4-7 only with fused=False;
-# 0: never).
+# launch, where it was timed; the one launch now starts at 4, or 3 for large experts
+# (FUSE_MLP_EARLY_WEIGHTS), so from there to 7 only with fused=False; 0: never).
 DOWN_MAKES_H_TOKENS = 7
 # ... where its h tile (f16 ``[window, K / k_splits]`` in SMEM, beside the pipeline's stages) is
 # at most this many bytes, else the h launch. The timed tiles (session 33): Qwen3 6-12 KB,
@@ -1546,8 +1547,17 @@ def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, row_fact
 # 5 / 6 tokens: Qwen3 NVFP4 +2.8 / -2.3 / -6.2 / -11.5%, MXFP4 +2.8 / -4.1 / -5.9 / -10.6%, FP8
 # +2.4 / +1.6 / +0.3 / -6.0%; gpt-oss MXFP4 -7.3 / -8.0 / -11.2 / -7.9%, NVFP4 -5.5 / -8.0 /
 # -9.7 / -7.1%, FP8 at 4 -7.2%; DeepSeek-V3 at 4 / 5 / 6 NVFP4 -6.4 / -3.5 / -3.9%, FP8 -3.2 /
-# -2.8 / -1.8%. At 3 tokens gpt-oss gains and Qwen3 loses; Qwen3 FP8 at 4 the one loss kept.
+# -2.8 / -1.8%. Qwen3 FP8 at 4 the one loss kept. At 3 tokens see FUSE_MLP_EARLY_WEIGHTS.
 FUSE_MLP_TOKENS = (4, 32)
+# ... and from one token fewer where an expert's down weights (H x I) number at least this
+# many. The likely cause (not profiled): at 1-7 tokens the down programs make their own h
+# where it fits (DOWN_MAKES_H_TOKENS), each of an item's H / 64 of them the item's whole h (I
+# wide), ~H x I work an item, where the one launch makes h once. 3 tokens, one launch against
+# three (H100 SXM, busy; NOTES session 39):
+# Qwen3 (2048 x 768 = 1.6M) NVFP4 / MXFP4 / FP8 +2.8 / +2.8 / +2.4%; gpt-oss (2880 x 2880 =
+# 8.3M) MXFP4 / NVFP4 -7.3 / -5.5%; DeepSeek-V3 (7168 x 2048 = 14.7M) NVFP4 -5.6%. gpt-oss
+# MXFP4 at 2 tokens only -1.6%: not taken.
+FUSE_MLP_EARLY_WEIGHTS = 4 << 20
 # The h program's shape. ptxas (sm_90a, offline) counts for Qwen3 FP8 the launch's registers a
 # thread: 92 at 1 or 2 rows a program (the slot_matmul kernels alone: 88 / 89), 120 at 4 rows
 # (16-byte chunks kept: 4 CTAs an SM on the H200, measured), 133 at 4 rows recomputed, 254 at
@@ -2185,7 +2195,8 @@ def moe_decode_mosaic_pairs(
     k_splits: tuple[int, int] | str = "auto",  # (gate_up, down) K splits; "auto":
     #   choose_k_splits
     fused: bool | None = None,  # gate_up, h and down in one launch (slot_mlp; f16
-    #   activations); None: for f16 activations at FUSE_MLP_TOKENS tokens
+    #   activations); None: for f16 activations at FUSE_MLP_TOKENS tokens (one fewer from
+    #   FUSE_MLP_EARLY_WEIGHTS)
     timeline: bool = False,  # the one launch only: also its programs' clock stamps (slot_mlp)
     interpret: bool = False,
     extra: ExtraExperts | None = None,  # a second stack: expert ids E .. E + E2 - 1
@@ -2214,7 +2225,8 @@ def moe_decode_mosaic_pairs(
                          f"{down.shape}")
     fp8_block = tuple(block_size) if fmt == "fp8" else None
     if fused is None:
-        fused = fmt != "bf16" and FUSE_MLP_TOKENS[0] <= x.shape[0] <= FUSE_MLP_TOKENS[1]
+        lo = FUSE_MLP_TOKENS[0] - (hidden * inter >= FUSE_MLP_EARLY_WEIGHTS)
+        fused = fmt != "bf16" and lo <= x.shape[0] <= FUSE_MLP_TOKENS[1]
     elif fused and fmt == "bf16":
         raise NotImplementedError("fused: one launch takes f16 activations (FP8, NVFP4, MXFP4), "
                                   "not BF16 weights")

@@ -27,7 +27,7 @@ kernel cuts them). K and V pages come by TMA, ``num_stages`` steps in flight; th
 a step are read from the block table in GMEM. Each program writes its normalized partial
 ``o`` and log-sum-exp, combined (with the sinks) by ``decode.combine`` as the Triton path's
 splits are. Splits (``choose_splits``): whole waves of ``RESIDENT_PROGRAMS`` programs an SM
-(of tied counts that fill a wave the fewest).
+(of tied counts, the fewest where their wave is nearly full).
 
 Limits (``unsupported_reason``): FP8 pages, head_dim 128, page size 8 / 16 / 32 / 64, ``R <=
 64``, no logit softcap; everything else (sliding window, sinks, Q = 1..4, ragged lengths)
