@@ -965,16 +965,15 @@ def test_blocked_radix_plan_lowers_for_h200(t, k, e):
 
 
 @pytest.mark.parametrize("fmt", [FP8, BF16], ids=lambda v: v.value)
-@pytest.mark.parametrize("early", [False, True], ids=["small", "large"])
-def test_fused_by_default_at_fuse_mlp_tokens(fmt, early, monkeypatch):
+@pytest.mark.parametrize("own_h", [True, False], ids=["own_h", "h_launch"])
+def test_fused_by_default_at_fuse_mlp_tokens(fmt, own_h, monkeypatch):
     """``fused=None`` takes the one launch for f16 activations from ``FUSE_MLP_TOKENS[0]`` to
-    ``[1]`` tokens (the H200's and H100's timings), from one token fewer where the experts'
-    down weights (H x I) reach ``FUSE_MLP_EARLY_WEIGHTS`` (here lowered to the test's H x I),
-    and the three launches elsewhere and for BF16."""
-    assert 2048 * 768 < mosaic.FUSE_MLP_EARLY_WEIGHTS <= 2880 * 2880  # Qwen3 no, gpt-oss yes
+    ``[1]`` tokens (the H200's and H100's timings), from one token fewer where the down
+    programs would not make their own h (here: an h tile bound of 0 bytes), and the three
+    launches elsewhere and for BF16."""
     lo, hi = mosaic.FUSE_MLP_TOKENS
-    with mosaic_constants(monkeypatch, FUSE_MLP_EARLY_WEIGHTS=H * I + (0 if early else 1)):
-        first = lo - 1 if early else lo
+    with mosaic_constants(monkeypatch, H_TILE_MAX_BYTES=mosaic.H_TILE_MAX_BYTES if own_h else 0):
+        first = lo if own_h else lo - 1
         kw = arrays(fmt)
         for t in (1, first - 1, first, hi, hi + 1):
             x, ids = x_rows(t), routing("random", t, 2)
@@ -982,6 +981,8 @@ def test_fused_by_default_at_fuse_mlp_tokens(fmt, early, monkeypatch):
                 moe_decode_mosaic_pairs, interpret=True, **kw))(x, ids))
             assert ("name=slot_mlp" in text) == (fmt is FP8 and first <= t <= hi), t
             assert ("name=slot_matmul" in text) != ("name=slot_mlp" in text), t
+            if fmt is FP8 and t == first - 1:  # two launches with own h, else three
+                assert ("name=moe_decode_h_rows" in text) != own_h, t
 
 
 def test_fused_launch_extra_stack_and_bad_inputs():

@@ -74,8 +74,8 @@ fused by XLA). Up to ``DOWN_MAKES_H_TOKENS`` tokens the down programs make their
 the gate_up output (``slot_matmul(h_source=)``) and the h launch goes. Up to 64 pairs the plan
 and x's rows are one launch (``rows.plan_x_rows``): four (three with the down programs' own h).
 BF16 weights take bf16 rows gathered by XLA. With f16
-activations at ``FUSE_MLP_TOKENS`` tokens (from one fewer for experts of at least
-``FUSE_MLP_EARLY_WEIGHTS`` down weights; ``fused``) gate_up, h and down are one launch
+activations at ``FUSE_MLP_TOKENS`` tokens (from one fewer where the down programs would not
+make their own h; ``fused``) gate_up, h and down are one launch
 (``slot_mlp``) whose programs wait on GMEM semaphores (the comment above ``slot_mlp``).
 """
 
@@ -367,8 +367,8 @@ def _kernel(
 # -> 22.2; gpt-oss MXFP4 1 token 39.3 -> 37.5. Each of an item's N / 64 down programs remakes
 # the item's h, so the L2 reads grow with its rows (Qwen3 at 64 tokens: ~4 rows, ~100 MB a
 # step against the h launch's ~3 MB); up to this many tokens (the range below session 24's one
-# launch, where it was timed; the one launch now starts at 4, or 3 for large experts
-# (FUSE_MLP_EARLY_WEIGHTS), so from there to 7 only with fused=False; 0: never).
+# launch, where it was timed; the one launch now starts at 4, so 4-7 only with fused=False;
+# 0: never).
 DOWN_MAKES_H_TOKENS = 7
 # ... where its h tile (f16 ``[window, K / k_splits]`` in SMEM, beside the pipeline's stages) is
 # at most this many bytes, else the h launch. The timed tiles (session 33): Qwen3 6-12 KB,
@@ -1543,21 +1543,16 @@ def slot_matmul_reference(work, a, w, scale=None, global_scale=None, *, row_fact
 # 2 39.0 -> 41.0; gpt-oss MXFP4 1 48.9 -> 53.9, and 45.1 -> 47.2 with windows of 8 (session
 # 25). Not explained yet: a waiting program polls with one thread (the others at a barrier),
 # so its issue slots are few; the down programs' weight stream only starts after their wait.
-# From 4 tokens (H100 SXM, busy time, one launch against three; NOTES sessions 38-39), 3 / 4 /
-# 5 / 6 tokens: Qwen3 NVFP4 +2.8 / -2.3 / -6.2 / -11.5%, MXFP4 +2.8 / -4.1 / -5.9 / -10.6%, FP8
-# +2.4 / +1.6 / +0.3 / -6.0%; gpt-oss MXFP4 -7.3 / -8.0 / -11.2 / -7.9%, NVFP4 -5.5 / -8.0 /
-# -9.7 / -7.1%, FP8 at 4 -7.2%; DeepSeek-V3 at 4 / 5 / 6 NVFP4 -6.4 / -3.5 / -3.9%, FP8 -3.2 /
-# -2.8 / -1.8%. Qwen3 FP8 at 4 the one loss kept. At 3 tokens see FUSE_MLP_EARLY_WEIGHTS.
+# From 4 tokens (H100 SXM, busy, one launch against three or two (own h); NOTES sessions
+# 38-39), 3 / 4 / 5 / 6 tokens: Qwen3 NVFP4 +2.8 / -2.3 / -6.2 / -11.5%, MXFP4 +2.8 / -4.1 /
+# -5.9 / -10.6%, FP8 +2.4 / +1.6 / +0.3 / -6.0%; gpt-oss MXFP4 -7.3 / -8.0 / -11.2 / -7.9%,
+# NVFP4 -5.5 / -8.0 / -9.7 / -7.1%, FP8 at 4 -7.2%; DeepSeek-V3 at 3 / 4 / 5 / 6 NVFP4 -5.6 /
+# -6.4 / -3.5 / -3.9%, FP8 at 4 / 5 / 6 -3.2 / -2.8 / -1.8%. Qwen3 FP8 at 4 the one loss kept.
+# From one token fewer (3) where the down programs would not make their own h
+# (``down_makes_h``), so that the other path is three launches, not two: at 3 tokens Qwen3
+# has its own h (and loses), gpt-oss (h tiles of 45 KB) and DeepSeek-V3 (32 KB) have not (and
+# win). gpt-oss MXFP4 at 2 tokens (no own h) only -1.6%: not taken.
 FUSE_MLP_TOKENS = (4, 32)
-# ... and from one token fewer where an expert's down weights (H x I) number at least this
-# many. The likely cause (not profiled): at 1-7 tokens the down programs make their own h
-# where it fits (DOWN_MAKES_H_TOKENS), each of an item's H / 64 of them the item's whole h (I
-# wide), ~H x I work an item, where the one launch makes h once. 3 tokens, one launch against
-# three (H100 SXM, busy; NOTES session 39):
-# Qwen3 (2048 x 768 = 1.6M) NVFP4 / MXFP4 / FP8 +2.8 / +2.8 / +2.4%; gpt-oss (2880 x 2880 =
-# 8.3M) MXFP4 / NVFP4 -7.3 / -5.5%; DeepSeek-V3 (7168 x 2048 = 14.7M) NVFP4 -5.6%. gpt-oss
-# MXFP4 at 2 tokens only -1.6%: not taken.
-FUSE_MLP_EARLY_WEIGHTS = 4 << 20
 # The h program's shape. ptxas (sm_90a, offline) counts for Qwen3 FP8 the launch's registers a
 # thread: 92 at 1 or 2 rows a program (the slot_matmul kernels alone: 88 / 89), 120 at 4 rows
 # (16-byte chunks kept: 4 CTAs an SM on the H200, measured), 133 at 4 rows recomputed, 254 at
@@ -2195,8 +2190,8 @@ def moe_decode_mosaic_pairs(
     k_splits: tuple[int, int] | str = "auto",  # (gate_up, down) K splits; "auto":
     #   choose_k_splits
     fused: bool | None = None,  # gate_up, h and down in one launch (slot_mlp; f16
-    #   activations); None: for f16 activations at FUSE_MLP_TOKENS tokens (one fewer from
-    #   FUSE_MLP_EARLY_WEIGHTS)
+    #   activations); None: for f16 activations at FUSE_MLP_TOKENS tokens (from one fewer
+    #   where the down programs have no own h)
     timeline: bool = False,  # the one launch only: also its programs' clock stamps (slot_mlp)
     interpret: bool = False,
     extra: ExtraExperts | None = None,  # a second stack: expert ids E .. E + E2 - 1
@@ -2224,13 +2219,10 @@ def moe_decode_mosaic_pairs(
         raise ValueError(f"down: expected shape {(e, hidden, inter // packed)}, got "
                          f"{down.shape}")
     fp8_block = tuple(block_size) if fmt == "fp8" else None
-    if fused is None:
-        lo = FUSE_MLP_TOKENS[0] - (hidden * inter >= FUSE_MLP_EARLY_WEIGHTS)
-        fused = fmt != "bf16" and lo <= x.shape[0] <= FUSE_MLP_TOKENS[1]
-    elif fused and fmt == "bf16":
+    if fused and fmt == "bf16":
         raise NotImplementedError("fused: one launch takes f16 activations (FP8, NVFP4, MXFP4), "
                                   "not BF16 weights")
-    if timeline and not fused:
+    if timeline and fused is False:
         raise ValueError("timeline: stamps come from the one launch (fused=True)")
     e_all = e
     if extra is not None:
@@ -2272,6 +2264,12 @@ def moe_decode_mosaic_pairs(
                     choose_k_splits(items, hidden, inter, tile[1], sms=sms))
     elif not (isinstance(k_splits, tuple) and len(k_splits) == 2):
         raise ValueError(f"k_splits: expected (gate_up, down) ints or 'auto', got {k_splits!r}")
+    own_h = down_makes_h(x.shape[0], fmt, inter, tile[1], k_splits[1])
+    if fused is None:  # FUSE_MLP_TOKENS, from one token fewer where the down has no own h
+        lo = FUSE_MLP_TOKENS[0] - (not own_h)
+        fused = fmt != "bf16" and lo <= x.shape[0] <= FUSE_MLP_TOKENS[1]
+    if timeline and not fused:
+        raise ValueError("timeline: stamps come from the one launch (fused=True)")
 
     def bias_operand(b):  # as given where the kernels read its dtype, else f32
         return b if b is None or jnp.dtype(b.dtype) in _BIAS_TYPES else b.astype(jnp.float32)
@@ -2313,7 +2311,7 @@ def moe_decode_mosaic_pairs(
             return (pairs, stamps) if timeline else pairs
         gu = launch(a, factor, gate_up, gate_up_scale, gate_up_global_scale, gate_up_bias, xs,
                     tile[0], k_splits[0])  # [S * R, 2I]
-        if down_makes_h(x.shape[0], fmt, inter, tile[1], k_splits[1]):  # each its own h
+        if own_h:  # each down program its own h
             y = slot_matmul(work, gu, down, down_scale, xd, down_global_scale, bias=down_bias,
                             fmt=fmt, fp8_block=fp8_block, tile=tile[1], k_splits=k_splits[1],
                             sum_splits=False, interpret=interpret, h_source=HSource(
