@@ -2222,8 +2222,6 @@ def moe_decode_mosaic_pairs(
     if fused and fmt == "bf16":
         raise NotImplementedError("fused: one launch takes f16 activations (FP8, NVFP4, MXFP4), "
                                   "not BF16 weights")
-    if timeline and fused is False:
-        raise ValueError("timeline: stamps come from the one launch (fused=True)")
     e_all = e
     if extra is not None:
         if not isinstance(extra, ExtraExperts):
